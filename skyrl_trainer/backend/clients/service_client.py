@@ -1,0 +1,153 @@
+"""The in-process `ServiceClient`: creates training clients on the in-process backend.
+
+Mirrors the Tinker SDK's `ServiceClient`: creators return a future of the client (which, as
+in the SDK, can still be used as the client directly, with a deprecation warning), and the
+`*_async` creators return the client itself.
+
+Extension beyond Tinker: `create_full_training_client` trains all weights instead of a
+LoRA adapter. A remote Tinker service has no such call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tinker import types
+
+from tinker.lib.public_interfaces.api_future import APIFuture
+
+from skyrl_trainer.backend.clients.futures import ClientFuture, api_future, done, failed, mapped
+from skyrl_trainer.backend.clients.training_client import TrainingClient
+from skyrl_trainer.backend.config import BackendConfig
+from skyrl_trainer.backend.core import BackendCore
+from skyrl_trainer.backend.errors import InvalidRequestError
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    if optimizer is not None and getattr(optimizer, "type", None) != "adamw":
+        raise InvalidRequestError(
+            "optimizer", f"{optimizer!r} is not supported; this backend trains with AdamW"
+        )
+
+
+class ServiceClient:
+    """Entry point to the in-process backend: one session on a `BackendCore`.
+
+    `ServiceClient()` starts its own backend from `config`; pass `core=` to share one
+    backend (and its loaded models) between several clients.
+    """
+
+    def __init__(
+        self,
+        config: BackendConfig | None = None,
+        *,
+        core: BackendCore | None = None,
+        user_metadata: dict[str, str] | None = None,
+    ):
+        self.core = core if core is not None else BackendCore(config)
+        self.session_id = self.core.create_session(user_metadata)
+
+    def _training_client(self, future) -> ClientFuture[TrainingClient]:
+        return ClientFuture(mapped(future, lambda model_id: TrainingClient(self.core, model_id)))
+
+    # ----- training clients ---------------------------------------------------------------
+
+    def create_lora_training_client(
+        self,
+        base_model: str,
+        rank: int = 32,
+        seed: int | None = None,
+        train_mlp: bool = True,
+        train_attn: bool = True,
+        train_unembed: bool = True,
+        user_metadata: dict[str, str] | None = None,
+        optimizer: types.AdamOptimizerConfig | None = None,
+    ) -> ClientFuture[TrainingClient]:
+        """A new LoRA adapter on `base_model`; adapters on one base share its weights."""
+        try:
+            _check_optimizer(optimizer)
+            lora = types.LoraConfig(
+                rank=rank,
+                seed=seed,
+                train_mlp=train_mlp,
+                train_attn=train_attn,
+                train_unembed=train_unembed,
+            )
+        except (InvalidRequestError, ValueError) as exc:
+            return ClientFuture(failed(exc))
+        return self._training_client(
+            self.core.create_model(self.session_id, base_model, lora, user_metadata)
+        )
+
+    async def create_lora_training_client_async(self, *args, **kwargs) -> TrainingClient:
+        return await self.create_lora_training_client(*args, **kwargs)
+
+    def create_full_training_client(
+        self, base_model: str, user_metadata: dict[str, str] | None = None
+    ) -> ClientFuture[TrainingClient]:
+        """Extension: full fine-tuning of all of `base_model`'s weights (float32 master copy)."""
+        return self._training_client(
+            self.core.create_model(self.session_id, base_model, None, user_metadata)
+        )
+
+    async def create_full_training_client_async(self, *args, **kwargs) -> TrainingClient:
+        return await self.create_full_training_client(*args, **kwargs)
+
+    def create_training_client_from_state(
+        self,
+        path: str,
+        base_model: str | None = None,
+        user_metadata: dict[str, str] | None = None,
+        weights_access_token: str | None = None,
+        optimizer: types.AdamOptimizerConfig | None = None,
+    ) -> ClientFuture[TrainingClient]:
+        """A new model with the weights of a training checkpoint; a fresh optimizer."""
+        return self._from_state(path, base_model, user_metadata, optimizer, False)
+
+    async def create_training_client_from_state_async(self, *args, **kwargs) -> TrainingClient:
+        return await self.create_training_client_from_state(*args, **kwargs)
+
+    def create_training_client_from_state_with_optimizer(
+        self,
+        path: str,
+        base_model: str | None = None,
+        user_metadata: dict[str, str] | None = None,
+        weights_access_token: str | None = None,
+    ) -> ClientFuture[TrainingClient]:
+        """A new model with the weights and optimizer state of a training checkpoint."""
+        return self._from_state(path, base_model, user_metadata, None, True)
+
+    async def create_training_client_from_state_with_optimizer_async(
+        self, *args, **kwargs
+    ) -> TrainingClient:
+        return await self.create_training_client_from_state_with_optimizer(*args, **kwargs)
+
+    def _from_state(self, path, base_model, user_metadata, optimizer, with_optimizer):
+        try:
+            _check_optimizer(optimizer)
+        except InvalidRequestError as exc:
+            return ClientFuture(failed(exc))
+        return self._training_client(
+            self.core.create_model_from_state(
+                self.session_id, path, with_optimizer, base_model, user_metadata
+            )
+        )
+
+    # ----- service ------------------------------------------------------------------------
+
+    def get_server_capabilities(self) -> types.GetServerCapabilitiesResponse:
+        return self.core.get_server_capabilities()
+
+    async def get_server_capabilities_async(self) -> types.GetServerCapabilitiesResponse:
+        return self.core.get_server_capabilities()
+
+    def close(self, status: str = "success", detail: str | None = None) -> APIFuture[None]:
+        """End this session: it accepts no new models. The backend keeps serving others."""
+        self.core.close_session(self.session_id, status, detail)
+        return api_future(done(None))
+
+    def __enter__(self) -> ServiceClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

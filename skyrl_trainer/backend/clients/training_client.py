@@ -1,0 +1,169 @@
+"""The in-process `TrainingClient`: the Tinker SDK's training surface over `BackendCore`.
+
+Methods take and return `tinker.types` objects and return `APIFuture`s at once; requests of
+one client run in the order they were made. The `*_async` forms are coroutines that return
+the future, exactly like the SDK's (`await (await tc.forward_backward_async(...))`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from tinker import types
+from tinker.lib.public_interfaces.api_future import APIFuture
+
+from skyrl_trainer.backend.clients.futures import api_future, failed
+from skyrl_trainer.backend.core import CustomLossFn
+from skyrl_trainer.backend.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from skyrl_trainer.backend.core import BackendCore
+
+
+class TrainingClient:
+    """Trains one model (a LoRA adapter or a full fine-tune) held by the in-process backend."""
+
+    def __init__(self, core: BackendCore, model_id: str):
+        self._core = core
+        self.model_id = model_id
+        self._info = core.get_info(model_id)
+
+    # ----- forward / backward -------------------------------------------------------------
+
+    def forward(
+        self,
+        data: list[types.Datum],
+        loss_fn: types.LossFnType,
+        loss_fn_config: Mapping[str, float] | None = None,
+    ) -> APIFuture[types.ForwardBackwardOutput]:
+        """Log-probs and loss without gradients."""
+        return api_future(
+            self._core.forward_backward(self.model_id, data, loss_fn, loss_fn_config, True)
+        )
+
+    async def forward_async(self, data, loss_fn, loss_fn_config=None):
+        return self.forward(data, loss_fn, loss_fn_config)
+
+    def forward_backward(
+        self,
+        data: list[types.Datum],
+        loss_fn: types.LossFnType,
+        loss_fn_config: Mapping[str, float] | None = None,
+    ) -> APIFuture[types.ForwardBackwardOutput]:
+        """Log-probs and loss (summed over tokens and datums); gradients accumulate until
+        `optim_step`."""
+        return api_future(
+            self._core.forward_backward(self.model_id, data, loss_fn, loss_fn_config, False)
+        )
+
+    async def forward_backward_async(self, data, loss_fn, loss_fn_config=None):
+        return self.forward_backward(data, loss_fn, loss_fn_config)
+
+    def forward_backward_custom(
+        self,
+        data: list[types.Datum],
+        loss_fn: CustomLossFn,
+        *,
+        loss_type_input: str | None = None,
+    ) -> APIFuture[types.ForwardBackwardOutput]:
+        """`loss_fn(data, logprobs_list) -> (loss, metrics)` computed in torch on the learner's
+        log-probs; its gradient is applied through a cross_entropy surrogate, as in the SDK."""
+        if loss_type_input not in (None, "logprobs"):
+            return api_future(
+                failed(
+                    InvalidRequestError(
+                        "loss_type_input", f"{loss_type_input!r} is not supported; use 'logprobs'"
+                    )
+                )
+            )
+        if not callable(loss_fn):
+            return api_future(failed(InvalidRequestError("loss_fn", "must be a callable")))
+        return api_future(self._core.forward_backward_custom(self.model_id, data, loss_fn))
+
+    async def forward_backward_custom_async(self, data, loss_fn, *, loss_type_input=None):
+        return self.forward_backward_custom(data, loss_fn, loss_type_input=loss_type_input)
+
+    # ----- optimizer ----------------------------------------------------------------------
+
+    def optim_step(
+        self,
+        optim_params: types.AdamParams | None = None,
+        *,
+        adam_params: types.AdamParams | None = None,
+    ) -> APIFuture[types.OptimStepResponse]:
+        """One AdamW step with these hyper-parameters on the gradients accumulated so far."""
+        params = optim_params if optim_params is not None else adam_params
+        if params is None:
+            return api_future(
+                failed(InvalidRequestError("adam_params", "pass types.AdamParams(...)"))
+            )
+        if not isinstance(params, types.AdamParams):
+            return api_future(
+                failed(
+                    InvalidRequestError(
+                        "optim_params",
+                        f"{type(params).__name__} is not supported; this backend trains with "
+                        "AdamW (types.AdamParams)",
+                    )
+                )
+            )
+        return api_future(self._core.optim_step(self.model_id, params))
+
+    async def optim_step_async(self, optim_params=None, *, adam_params=None):
+        return self.optim_step(optim_params, adam_params=adam_params)
+
+    # ----- checkpoints --------------------------------------------------------------------
+
+    def save_state(
+        self,
+        name: str,
+        ttl_seconds: int | None = None,
+        overwrite: bool = False,
+        user_metadata: dict[str, str] | None = None,
+    ) -> APIFuture[types.SaveWeightsResponse]:
+        """Save weights and optimizer state as `tinker://<model_id>/weights/<name>`."""
+        return api_future(
+            self._core.save_state(
+                self.model_id,
+                name,
+                overwrite=overwrite,
+                ttl_seconds=ttl_seconds,
+                user_metadata=user_metadata,
+            )
+        )
+
+    async def save_state_async(self, name, ttl_seconds=None, overwrite=False, user_metadata=None):
+        return self.save_state(name, ttl_seconds, overwrite, user_metadata)
+
+    def load_state(
+        self, path: str, weights_access_token: str | None = None
+    ) -> APIFuture[types.LoadWeightsResponse]:
+        """Load weights from a training checkpoint; the optimizer state starts fresh."""
+        return api_future(self._core.load_state(self.model_id, path, with_optimizer=False))
+
+    async def load_state_async(self, path, weights_access_token=None):
+        return self.load_state(path, weights_access_token)
+
+    def load_state_with_optimizer(
+        self, path: str, weights_access_token: str | None = None
+    ) -> APIFuture[types.LoadWeightsResponse]:
+        """Load weights and optimizer state from a training checkpoint."""
+        return api_future(self._core.load_state(self.model_id, path, with_optimizer=True))
+
+    async def load_state_with_optimizer_async(self, path, weights_access_token=None):
+        return self.load_state_with_optimizer(path, weights_access_token)
+
+    # ----- info ---------------------------------------------------------------------------
+
+    def get_info(self) -> types.GetInfoResponse:
+        return self._info
+
+    async def get_info_async(self) -> types.GetInfoResponse:
+        return self._info
+
+    def get_tokenizer(self) -> Any:
+        return self._core.tokenizer(self._info.model_data.model_name or "")
+
+    def __repr__(self) -> str:
+        return f"TrainingClient(model_id={self.model_id!r})"

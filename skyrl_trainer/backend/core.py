@@ -1,0 +1,435 @@
+"""The backend core: sessions, models, ordered request execution and checkpoints.
+
+Both faces of the backend (the in-process clients and the HTTP server) call this class and
+nothing below it, so every Tinker semantic lives here once:
+- requests for models on one base model run one at a time, in submission order, on that
+  base's executor thread (so a model's requests never overtake each other);
+- gradients accumulate over `forward_backward` calls until `optim_step` (worker-side);
+- a request that fails (bad input, a mismatched checkpoint) changes nothing;
+- checkpoints live at `tinker://<model_id>/weights/<name>` in the checkpoint store.
+Every request method returns a `concurrent.futures.Future` at once; errors arrive through it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from tinker import types
+
+from skyrl_trainer.backend import model_loading
+from skyrl_trainer.backend.checkpoints import CheckpointMetadata, CheckpointStore
+from skyrl_trainer.backend.config import BackendConfig
+from skyrl_trainer.backend.datums import to_training_examples
+from skyrl_trainer.backend.errors import InvalidRequestError, NotFoundError
+from skyrl_trainer.backend.losses import get_loss, resolve_loss_config
+from skyrl_trainer.backend.optimizer import validate_adam_params
+from skyrl_trainer.backend.worker_group import TrainingWorkerGroup, make_worker_group
+
+T = TypeVar("T")
+
+CustomLossFn = Callable[
+    [list[types.Datum], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]
+]
+
+
+@dataclass
+class ModelRecord:
+    model_id: str
+    session_id: str
+    base_model: str
+    lora: types.LoraConfig | None
+    user_metadata: dict[str, str] | None = None
+
+
+@dataclass
+class _BaseModelSlot:
+    """One base model: its executor (the ordering guarantee) and, once loaded, its workers."""
+
+    name: str
+    executor: ThreadPoolExecutor
+    group: TrainingWorkerGroup | None = None
+
+
+@dataclass
+class _Session:
+    session_id: str
+    user_metadata: dict[str, str] | None
+    model_seq: itertools.count = field(default_factory=itertools.count)
+    end_status: str | None = None  # set by close_session
+
+
+def _output(logprobs: list[torch.Tensor], metrics: dict[str, float]) -> types.ForwardBackwardOutput:
+    return types.ForwardBackwardOutput(
+        loss_fn_output_type="ArrayRecord",
+        loss_fn_outputs=[{"logprobs": types.TensorData.from_torch(lp)} for lp in logprobs],
+        metrics=metrics,
+    )
+
+
+class BackendCore:
+    """One in-process Tinker backend. Thread-safe; share one per process."""
+
+    def __init__(self, config: BackendConfig | None = None):
+        self.config = config or BackendConfig()
+        self.store = CheckpointStore(self.config.resolved_storage_dir())
+        self._lock = threading.Lock()
+        self._sessions: dict[str, _Session] = {}
+        self._models: dict[str, ModelRecord] = {}
+        self._bases: dict[str, _BaseModelSlot] = {}
+        self._tokenizers: dict[str, Any] = {}
+
+    # ----- sessions and lookup ------------------------------------------------------------
+
+    def create_session(self, user_metadata: dict[str, str] | None = None) -> str:
+        session_id = uuid.uuid4().hex[:16]
+        with self._lock:
+            self._sessions[session_id] = _Session(session_id, user_metadata)
+        return session_id
+
+    def close_session(self, session_id: str, status: str, detail: str | None = None) -> None:
+        """Mark a session ended: it can create no more models; its models stay usable."""
+        self._session(session_id).end_status = status
+
+    def _session(self, session_id: str) -> _Session:
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise NotFoundError("session_id", f"unknown session '{session_id}'")
+        return session
+
+    def model(self, model_id: str) -> ModelRecord:
+        record = self._models.get(model_id)
+        if record is None:
+            raise NotFoundError("model_id", f"unknown model '{model_id}'")
+        return record
+
+    def _base_slot(self, base_model: str) -> _BaseModelSlot:
+        key = canonical_model_name(base_model)
+        with self._lock:
+            slot = self._bases.get(key)
+            if slot is None:
+                executor = ThreadPoolExecutor(1, thread_name_prefix=f"skyrl-train-{key[-24:]}")
+                slot = self._bases[key] = _BaseModelSlot(key, executor)
+            return slot
+
+    def _group(self, slot: _BaseModelSlot) -> TrainingWorkerGroup:
+        """The base model's worker group, loaded on first use (runs on the slot's thread)."""
+        if slot.group is None:
+            model_dir = model_loading.resolve_model_dir(slot.name, self.config.resolved_cache_dir())
+            slot.group = make_worker_group(model_dir, self.config.training)
+        return slot.group
+
+    def _submit(self, slot: _BaseModelSlot, job: Callable[[], T]) -> Future[T]:
+        return slot.executor.submit(job)
+
+    def _submit_for_model(
+        self, model_id: str, job: Callable[[ModelRecord, TrainingWorkerGroup], T]
+    ) -> Future[T]:
+        """Queue `job` behind every earlier request on the model's base model."""
+        try:
+            record = self.model(model_id)
+        except InvalidRequestError as exc:
+            failed: Future[T] = Future()
+            failed.set_exception(exc)
+            return failed
+        slot = self._base_slot(record.base_model)
+        return self._submit(slot, lambda: job(record, self._group(slot)))
+
+    # ----- models -------------------------------------------------------------------------
+
+    def create_model(
+        self,
+        session_id: str,
+        base_model: str,
+        lora: types.LoraConfig | None,
+        user_metadata: dict[str, str] | None = None,
+        model_seq_id: int | None = None,
+        initial_state: tuple[str, bool] | None = None,
+    ) -> Future[str]:
+        """Create a trainable model (LoRA adapter, or full fine-tuning when `lora` is None).
+
+        With `initial_state=(path, with_optimizer)` the model starts from that checkpoint; if
+        loading fails, the model is removed again and the error returned.
+        """
+        try:
+            session = self._session(session_id)
+            if session.end_status is not None:
+                raise InvalidRequestError("session_id", f"session '{session_id}' was closed")
+            if not isinstance(base_model, str) or not base_model:
+                raise InvalidRequestError("base_model", "must be a non-empty model name or path")
+            seq = next(session.model_seq) if model_seq_id is None else model_seq_id
+            model_id = f"{session_id}:train:{seq}"
+            if model_id in self._models:
+                raise InvalidRequestError("model_seq_id", f"model '{model_id}' already exists")
+            slot = self._base_slot(base_model)
+        except InvalidRequestError as exc:
+            failed: Future[str] = Future()
+            failed.set_exception(exc)
+            return failed
+
+        def job() -> str:
+            group = self._group(slot)
+            group.create_model(model_id, lora)
+            record = ModelRecord(model_id, session_id, base_model, lora, user_metadata)
+            if initial_state is not None:
+                path, with_optimizer = initial_state
+                try:
+                    folder, metadata = self.store.resolve(path)
+                    self._check_compatible(record, metadata)
+                    group.load_state(model_id, folder, with_optimizer=with_optimizer)
+                except BaseException:
+                    group.remove_model(model_id)
+                    raise
+            with self._lock:
+                self._models[model_id] = record
+            return model_id
+
+        return self._submit(slot, job)
+
+    def get_info(self, model_id: str) -> types.GetInfoResponse:
+        record = self.model(model_id)
+        slot = self._base_slot(record.base_model)
+        assert slot.group is not None  # the model exists, so its base is loaded
+        description = slot.group.description
+        return types.GetInfoResponse(
+            model_id=model_id,
+            model_data=types.ModelData(
+                arch=description.arch,
+                model_name=record.base_model,
+                tokenizer_id=description.model_dir,
+            ),
+            is_lora=record.lora is not None,
+            lora_rank=record.lora.rank if record.lora else None,
+            model_name=record.base_model,
+        )
+
+    def tokenizer(self, base_model: str) -> Any:
+        """The base model's tokenizer (loaded once)."""
+        key = canonical_model_name(base_model)
+        if key not in self._tokenizers:
+            model_dir = model_loading.resolve_model_dir(key, self.config.resolved_cache_dir())
+            self._tokenizers[key] = model_loading.load_tokenizer(model_dir)
+        return self._tokenizers[key]
+
+    def get_server_capabilities(self) -> types.GetServerCapabilitiesResponse:
+        return types.GetServerCapabilitiesResponse(
+            supported_models=[
+                types.SupportedModel(model_name=name, trainable=True, sampleable=False)
+                for name in self.config.base_models
+            ]
+        )
+
+    # ----- training -----------------------------------------------------------------------
+
+    def forward_backward(
+        self,
+        model_id: str,
+        data: Sequence[types.Datum],
+        loss_fn: str,
+        loss_fn_config: Mapping[str, float] | None = None,
+        forward_only: bool = False,
+    ) -> Future[types.ForwardBackwardOutput]:
+        """Per-token log-probs and the summed loss (`loss:sum`); unless `forward_only`,
+        the loss's gradients are added to the model's accumulated gradients."""
+
+        def job(record: ModelRecord, group: TrainingWorkerGroup) -> types.ForwardBackwardOutput:
+            spec = get_loss(loss_fn)
+            config = resolve_loss_config(spec, loss_fn_config)
+            desc = group.description
+            examples = to_training_examples(data, spec, desc.vocab_size, desc.max_length)
+            result = group.forward_backward(
+                model_id, examples, spec, config, backward=not forward_only
+            )
+            return _output(result.logprobs, {"loss:sum": result.loss_sum})
+
+        return self._submit_for_model(model_id, job)
+
+    def forward_backward_custom(
+        self, model_id: str, data: Sequence[types.Datum], loss_fn: CustomLossFn
+    ) -> Future[types.ForwardBackwardOutput]:
+        """A user loss on the learner's log-probs, as the Tinker SDK computes it.
+
+        One queued job: a forward pass for log-probs, `loss_fn(data, logprobs)` in torch,
+        then a cross_entropy backward with `weights = -dloss/dlogprobs` (its gradient is the
+        custom loss's gradient). Metrics: the user's plus `loss:sum` (the custom loss) and
+        `surrogate_loss:sum`.
+        """
+
+        def job(record: ModelRecord, group: TrainingWorkerGroup) -> types.ForwardBackwardOutput:
+            spec = get_loss("cross_entropy")
+            desc = group.description
+            ce_data = [_cross_entropy_view(d, f"data[{i}]") for i, d in enumerate(data)]
+            examples = to_training_examples(ce_data, spec, desc.vocab_size, desc.max_length)
+            forward = group.forward_backward(model_id, examples, spec, {}, backward=False)
+            logprobs = [lp.clone().requires_grad_(True) for lp in forward.logprobs]
+            loss, user_metrics = loss_fn(list(data), logprobs)
+            loss.backward()
+            for i, (lp, example) in enumerate(zip(logprobs, examples, strict=True)):
+                if lp.grad is None:
+                    raise InvalidRequestError(
+                        f"loss_fn (datum {i})", "the custom loss does not depend on its logprobs"
+                    )
+                example.loss_inputs["weights"] = -lp.grad.float()
+            backward = group.forward_backward(model_id, examples, spec, {}, backward=True)
+            metrics = {**user_metrics, "loss:sum": float(loss.detach().sum())}
+            metrics["surrogate_loss:sum"] = backward.loss_sum
+            return _output(backward.logprobs, metrics)
+
+        return self._submit_for_model(model_id, job)
+
+    def optim_step(self, model_id: str, adam: types.AdamParams) -> Future[types.OptimStepResponse]:
+        """One AdamW step on the accumulated gradients with `adam`'s hyper-parameters."""
+
+        def job(record: ModelRecord, group: TrainingWorkerGroup) -> types.OptimStepResponse:
+            if not isinstance(adam, types.AdamParams):
+                raise InvalidRequestError(
+                    "adam_params", f"expected tinker.types.AdamParams, got {type(adam).__name__}"
+                )
+            validate_adam_params(adam)
+            return types.OptimStepResponse(metrics=group.optim_step(model_id, adam))
+
+        return self._submit_for_model(model_id, job)
+
+    # ----- checkpoints --------------------------------------------------------------------
+
+    def save_state(
+        self,
+        model_id: str,
+        name: str,
+        *,
+        overwrite: bool = False,
+        ttl_seconds: int | None = None,
+        user_metadata: dict[str, str] | None = None,
+    ) -> Future[types.SaveWeightsResponse]:
+        """Save weights and optimizer state to `tinker://<model_id>/weights/<name>`."""
+
+        def job(record: ModelRecord, group: TrainingWorkerGroup) -> types.SaveWeightsResponse:
+            now = time.time()
+            metadata = CheckpointMetadata(
+                base_model=record.base_model,
+                is_lora=record.lora is not None,
+                lora_rank=record.lora.rank if record.lora else None,
+                lora_config=record.lora.model_dump() if record.lora else None,
+                model_id=model_id,
+                has_optimizer=True,
+                created_at=now,
+                expires_at=now + ttl_seconds if ttl_seconds else None,
+                user_metadata=user_metadata,
+            )
+            path = self.store.write(
+                model_id,
+                "training",
+                name,
+                metadata,
+                lambda folder: group.save_state(model_id, folder, with_optimizer=True),
+                overwrite=overwrite,
+            )
+            return types.SaveWeightsResponse(path=path, type="save_weights")
+
+        return self._submit_for_model(model_id, job)
+
+    def _check_compatible(self, record: ModelRecord, metadata: CheckpointMetadata) -> None:
+        ours = canonical_model_name(record.base_model)
+        theirs = canonical_model_name(metadata.base_model)
+        if ours != theirs:
+            raise InvalidRequestError(
+                "path",
+                f"checkpoint was trained on base model '{metadata.base_model}', but model "
+                f"'{record.model_id}' is on '{record.base_model}'",
+            )
+        if metadata.is_lora != (record.lora is not None):
+            kinds = {True: "a LoRA", False: "a full fine-tuning"}
+            raise InvalidRequestError(
+                "path",
+                f"checkpoint is {kinds[metadata.is_lora]} checkpoint but model "
+                f"'{record.model_id}' is {kinds[record.lora is not None]} model",
+            )
+        if record.lora and metadata.lora_rank != record.lora.rank:
+            raise InvalidRequestError(
+                "path",
+                f"checkpoint has LoRA rank {metadata.lora_rank}, model '{record.model_id}' "
+                f"has rank {record.lora.rank}",
+            )
+
+    def load_state(
+        self, model_id: str, path: str, with_optimizer: bool
+    ) -> Future[types.LoadWeightsResponse]:
+        """Load a training checkpoint into an existing model (optimizer reset unless asked)."""
+
+        def job(record: ModelRecord, group: TrainingWorkerGroup) -> types.LoadWeightsResponse:
+            folder, metadata = self.store.resolve(path)
+            self._check_compatible(record, metadata)
+            group.load_state(model_id, folder, with_optimizer=with_optimizer)
+            return types.LoadWeightsResponse(path=path)
+
+        return self._submit_for_model(model_id, job)
+
+    def create_model_from_state(
+        self,
+        session_id: str,
+        path: str,
+        with_optimizer: bool,
+        base_model: str | None = None,
+        user_metadata: dict[str, str] | None = None,
+        model_seq_id: int | None = None,
+    ) -> Future[str]:
+        """A new model initialised from a training checkpoint (same base and LoRA config)."""
+        try:
+            _, metadata = self.store.resolve(path)
+            if base_model is not None and canonical_model_name(base_model) != canonical_model_name(
+                metadata.base_model
+            ):
+                raise InvalidRequestError(
+                    "base_model",
+                    f"is '{base_model}' but the checkpoint was trained on '{metadata.base_model}'",
+                )
+        except InvalidRequestError as exc:
+            failed: Future[str] = Future()
+            failed.set_exception(exc)
+            return failed
+        return self.create_model(
+            session_id,
+            metadata.base_model,
+            metadata.lora(),
+            user_metadata,
+            model_seq_id,
+            initial_state=(path, with_optimizer),
+        )
+
+    def shutdown(self) -> None:
+        for slot in list(self._bases.values()):
+            slot.executor.shutdown(wait=True, cancel_futures=True)
+
+
+def canonical_model_name(name: str) -> str:
+    """One key per base model: packaged aliases collapse to the packaged name, local folders
+    to their resolved path, anything else (hub ids) stays as given."""
+    packaged = model_loading.find_packaged_model(name)
+    if packaged is not None:
+        return packaged.name
+    path = Path(name).expanduser()
+    return str(path.resolve()) if path.is_dir() else name
+
+
+def _cross_entropy_view(datum: types.Datum, field_name: str) -> types.Datum:
+    """The datum with only cross_entropy's inputs (zero weights where none are given)."""
+    targets = datum.loss_fn_inputs.get("target_tokens") if isinstance(datum, types.Datum) else None
+    if targets is None:
+        raise InvalidRequestError(f"{field_name}.loss_fn_inputs.target_tokens", "is missing")
+    weights = datum.loss_fn_inputs.get("weights")
+    if weights is None:
+        weights = types.TensorData(
+            data=[0.0] * len(targets.data), dtype="float32", shape=targets.shape
+        )
+    return types.Datum(
+        model_input=datum.model_input,
+        loss_fn_inputs={"target_tokens": targets, "weights": weights},
+    )
