@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 from tinker import types
-
 from tinker.lib.public_interfaces.api_future import APIFuture
 
 from skyrl_trainer.backend.clients.futures import ClientFuture, api_future, done, failed, mapped
