@@ -45,11 +45,11 @@ class CheckpointMetadata:
         return types.LoraConfig(**self.lora_config) if self.lora_config else None
 
 
-def check_checkpoint_name(name: object) -> str:
+def check_checkpoint_name(name: object, field: str = "name") -> str:
     """Refuse names that are empty, too long, or could escape the storage folder."""
     if not isinstance(name, str) or not _NAME_RE.match(name) or ".." in name:
         raise InvalidRequestError(
-            "name",
+            field,
             f"{name!r} is not a valid checkpoint name: use 1-128 letters, digits, '.', '_' "
             "or '-', starting with a letter or digit",
         )
@@ -85,21 +85,29 @@ class CheckpointStore:
         name = parsed.checkpoint_id.split("/", 1)[1]
         if parsed.checkpoint_type not in KIND_DIRS or "/" in parsed.training_run_id:
             raise InvalidRequestError(field, f"unsupported checkpoint path {tinker_path!r}")
-        check_checkpoint_name(name)
+        check_checkpoint_name(name, field)
         if parsed.training_run_id in ("", ".", "..") or parsed.training_run_id.startswith("."):
             raise InvalidRequestError(field, f"invalid run id in {tinker_path!r}")
         folder = self.folder(parsed.training_run_id, parsed.checkpoint_type, name)
         metadata_file = folder / METADATA_FILE
         if not metadata_file.exists():
             raise NotFoundError(field, f"no checkpoint at {tinker_path!r}")
-        metadata = CheckpointMetadata(**json.loads(metadata_file.read_text()))
-        if metadata.expires_at is not None and metadata.expires_at < time.time():
+        if self._expired(folder):
             raise NotFoundError(field, f"checkpoint {tinker_path!r} has expired")
-        return folder, metadata
+        return folder, CheckpointMetadata(**json.loads(metadata_file.read_text()))
+
+    @staticmethod
+    def _expired(folder: Path) -> bool:
+        """True when the checkpoint's TTL has passed (an expired name may be reused)."""
+        try:
+            expires_at = json.loads((folder / METADATA_FILE).read_text()).get("expires_at")
+        except (OSError, ValueError):
+            return False
+        return expires_at is not None and expires_at < time.time()
 
     @contextmanager
     def _staging_folder(self, final: Path, overwrite: bool) -> Iterator[Path]:
-        if final.exists() and not overwrite:
+        if final.exists() and not overwrite and not self._expired(final):
             raise InvalidRequestError(
                 "name",
                 f"checkpoint {final.name!r} already exists; pass overwrite=True to replace it",

@@ -123,8 +123,18 @@ class BackendCore:
     def _group(self, slot: _BaseModelSlot) -> TrainingWorkerGroup:
         """The base model's worker group, loaded on first use (runs on the slot's thread)."""
         if slot.group is None:
-            model_dir = model_loading.resolve_model_dir(slot.name, self.config.resolved_cache_dir())
-            slot.group = make_worker_group(model_dir, self.config.training)
+            try:
+                model_dir = model_loading.resolve_model_dir(
+                    slot.name, self.config.resolved_cache_dir()
+                )
+                slot.group = make_worker_group(model_dir, self.config.training)
+            except BaseException:
+                # A name that does not load keeps no executor thread behind.
+                with self._lock:
+                    if self._bases.get(slot.name) is slot:
+                        del self._bases[slot.name]
+                slot.executor.shutdown(wait=False)
+                raise
         return slot.group
 
     def _submit(self, slot: _BaseModelSlot, job: Callable[[], T]) -> Future[T]:
@@ -165,6 +175,8 @@ class BackendCore:
                 raise InvalidRequestError("session_id", f"session '{session_id}' was closed")
             if not isinstance(base_model, str) or not base_model:
                 raise InvalidRequestError("base_model", "must be a non-empty model name or path")
+            # Canonical from here on: a relative path must mean the same folder later.
+            base_model = canonical_model_name(base_model)
             seq = next(session.model_seq) if model_seq_id is None else model_seq_id
             model_id = f"{session_id}:train:{seq}"
             if model_id in self._models:

@@ -7,6 +7,7 @@ the future, exactly like the SDK's (`await (await tc.forward_backward_async(...)
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +20,14 @@ from skyrl_trainer.backend.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from skyrl_trainer.backend.core import BackendCore
+
+
+def _warn_deprecated(method: str, replacement: str) -> None:
+    warnings.warn(
+        f"TrainingClient.{method} is deprecated; use ServiceClient.{replacement}",
+        FutureWarning,
+        stacklevel=3,
+    )
 
 
 class TrainingClient:
@@ -93,11 +102,11 @@ class TrainingClient:
         adam_params: types.AdamParams | None = None,
     ) -> APIFuture[types.OptimStepResponse]:
         """One AdamW step with these hyper-parameters on the gradients accumulated so far."""
+        if optim_params is not None and adam_params is not None:
+            raise ValueError("Specify optim_params or legacy adam_params, not both")
         params = optim_params if optim_params is not None else adam_params
         if params is None:
-            return api_future(
-                failed(InvalidRequestError("adam_params", "pass types.AdamParams(...)"))
-            )
+            raise TypeError("optim_step() needs optim_params=types.AdamParams(...)")
         if not isinstance(params, types.AdamParams):
             return api_future(
                 failed(
@@ -139,7 +148,12 @@ class TrainingClient:
     def load_state(
         self, path: str, weights_access_token: str | None = None
     ) -> APIFuture[types.LoadWeightsResponse]:
-        """Load weights from a training checkpoint; the optimizer state starts fresh."""
+        """Load weights from a training checkpoint; the optimizer state starts fresh.
+
+        Deprecated as in the SDK (prefer `ServiceClient.create_training_client_from_state`).
+        Gradients accumulated before the load are discarded.
+        """
+        _warn_deprecated("load_state", "create_training_client_from_state")
         return api_future(self._core.load_state(self.model_id, path, with_optimizer=False))
 
     async def load_state_async(self, path, weights_access_token=None):
@@ -148,7 +162,11 @@ class TrainingClient:
     def load_state_with_optimizer(
         self, path: str, weights_access_token: str | None = None
     ) -> APIFuture[types.LoadWeightsResponse]:
-        """Load weights and optimizer state from a training checkpoint."""
+        """Load weights and optimizer state from a training checkpoint (deprecated, as in the
+        SDK; prefer `ServiceClient.create_training_client_from_state_with_optimizer`)."""
+        _warn_deprecated(
+            "load_state_with_optimizer", "create_training_client_from_state_with_optimizer"
+        )
         return api_future(self._core.load_state(self.model_id, path, with_optimizer=True))
 
     async def load_state_with_optimizer_async(self, path, weights_access_token=None):
