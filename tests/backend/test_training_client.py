@@ -24,7 +24,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from skyrl_trainer.backend.clients import ServiceClient, TrainingClient
 from skyrl_trainer.backend.config import BackendConfig, TrainingConfig
 from skyrl_trainer.backend.core import BackendCore
-from skyrl_trainer.backend.errors import NotFoundError
 from skyrl_trainer.backend.losses import get_loss, resolve_loss_config
 
 LORA_LR = 1e-2
