@@ -58,14 +58,17 @@ def to_datums(sequences: list[np.ndarray]) -> list[types.Datum]:
     ]
 
 
-def time_steps(step, steps: int, warmup: int) -> list[float]:
-    for _ in range(warmup):
-        step()
-    times = []
+def time_interleaved(steps_by_side: dict, steps: int, warmup: int) -> dict[str, list[float]]:
+    """Alternate the sides step by step, so background load hits both alike."""
+    for step in steps_by_side.values():
+        for _ in range(warmup):
+            step()
+    times: dict[str, list[float]] = {side: [] for side in steps_by_side}
     for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
+        for side, step in steps_by_side.items():
+            start = time.perf_counter()
+            step()
+            times[side].append(time.perf_counter() - start)
     return times
 
 
@@ -168,17 +171,20 @@ def main() -> None:
         sequences = make_batch(kind, vocab)
         tokens = sum(len(s) - 1 for s in sequences)
         result = {"batch": kind, "tokens_per_step": tokens}
-        for side, make in (("plain", plain_step_fn), ("ours", ours_step_fn)):
-            step = make(args.mode, args.dtype, args.budget, sequences)
-            times = time_steps(step, args.steps, args.warmup)
-            median = statistics.median(times)
+        step_fns = {
+            "plain": plain_step_fn(args.mode, args.dtype, args.budget, sequences),
+            "ours": ours_step_fn(args.mode, args.dtype, args.budget, sequences),
+        }
+        times = time_interleaved(step_fns, args.steps, args.warmup)
+        for side, side_times in times.items():
+            median = statistics.median(side_times)
             result[side] = {
-                "step_s": times,
+                "step_s": side_times,
                 "median_step_s": median,
                 "tokens_per_s": tokens / median,
             }
             print(f"  {kind:8s} {side:5s} median {median:6.2f} s  {tokens / median:7.0f} tok/s")
-            del step
+        del step_fns
         result["speedup"] = result["ours"]["tokens_per_s"] / result["plain"]["tokens_per_s"]
         rows.append(result)
 

@@ -11,6 +11,7 @@ import warnings
 import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
+from peft.tuners.tuners_utils import BaseTunerLayer
 from tinker import types
 from transformers import PreTrainedModel
 
@@ -104,6 +105,11 @@ def add_lora_adapter(
     for name, param in peft_model.named_parameters():
         if f".{adapter_name}." in name:
             param.data = param.data.float()
+    for module in peft_model.modules():
+        if isinstance(module, BaseTunerLayer):
+            # PEFT would copy every activation to float32 to meet the adapter weights; under
+            # bf16 autocast the matmuls run in bf16 anyway, so the copies are pure overhead.
+            module.cast_input_dtype_enabled = False
     return peft_model
 
 
