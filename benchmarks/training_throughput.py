@@ -119,8 +119,10 @@ def plain_step_fn(mode: str, dtype: str, budget: int, sequences):
         for name, p in model.named_parameters():
             if "lora_" in name:
                 p.data = p.data.float()
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
         for module in model.modules():  # as in ours: no float32 input copies under autocast
-            if hasattr(module, "cast_input_dtype_enabled"):
+            if isinstance(module, BaseTunerLayer):
                 module.cast_input_dtype_enabled = False
     else:
         model = load_causal_lm(model_dir, torch.float32)
