@@ -5,15 +5,19 @@ All layers' keys and values live in one buffer `[layers, 2, slots, kv_heads, len
 - rows occupy slots `0 .. num_rows-1`, each with its own length (`lens`), so rows of different
   prompt lengths, and rows that joined the batch at different steps, decode together; a decode
   step writes every row's new key/value at that row's own position (one `index_put_` per layer)
-  and attends over `[:num_rows, :, :max_len]`, masking each row's positions `>= its length`;
+  and attends over the contiguous block `[:num_rows]` (all positions, masking each row's
+  positions `> its length`): `slot_attention` does that as two batched matmuls, several times
+  faster on CPU than SDPA, which is also slow on strided views of the buffer;
 - a finished row leaves at once: the last rows move into the freed slots (`remove_rows`), so the
   next step computes nothing for it and copies only the moved rows, not the whole cache;
-- the buffer grows geometrically when more slots or positions are needed (rare, amortised), instead
-  of Hugging Face's DynamicCache, which concatenates on every step (O(T^2) copying).
+- the buffer grows when more slots or positions are needed (positions by `max(32, 1/8)` of the
+  length, so attention reads little past the longest row and copies rarely), instead of Hugging
+  Face's DynamicCache, which concatenates on every step (O(T^2) copying).
 
 It is a `transformers` `Cache`: the model's attention layers call `update(key, value, layer_idx)` and
-get back the keys/values to attend over. The engine passes the 4-D boolean masks built here
-(`True` = attend) as `attention_mask`, which the model uses as they are. Prefill writes a forward
+get back the keys/values to attend over. The engine passes the 4-D masks built here as
+`attention_mask` (the model uses a 4-D mask as it is) and runs the model with the `slot_attention`
+implementation (`SLOT_ATTENTION`). Prefill writes a forward
 batch of distinct prompts (right-padded) into the slots of all their sample rows (`src`), so
 `num_samples` rows of one prompt cost one prompt forward.
 """
@@ -23,7 +27,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+SLOT_ATTENTION = "skyrl_slot_attention"
 
 
 class _SlotLayer(CacheLayerMixin):
@@ -72,7 +80,6 @@ class SlotKVCache(Cache):
         self.num_rows = 0
         self.max_len = 0  # max(lens), kept as a Python int
         self._mode: str | None = None
-        self._rows_arange = torch.arange(0, device=device)
 
     # -- capacity --------------------------------------------------------------------------
 
@@ -84,21 +91,27 @@ class SlotKVCache(Cache):
         return 0 if self.buf is None else self.buf.numel() * self.buf.element_size()
 
     def reserve(self, rows: int, length: int) -> None:
-        """Make room for `rows` slots of `length` positions (grows by doubling, keeps contents)."""
+        """Make room for `rows` slots of `length` positions, keeping the contents (slots grow by
+        doubling, positions by max(32, length / 8) beyond what is asked)."""
         slots, cap = self.capacity
         if rows <= slots and length <= cap:
             return
         new_slots = slots if rows <= slots else max(rows, 2 * slots)
-        new_len = cap if length <= cap else max(length, min(2 * cap, self.max_model_len))
+        new_len = cap if length <= cap else min(length + max(32, length // 8), self.max_model_len)
+        new_len = max(new_len, length)
         layers, heads, head_dim = self.dims
-        buf = torch.zeros(
+        buf = torch.empty(
             (layers, 2, new_slots, heads, new_len, head_dim), dtype=self.dtype, device=self.device
         )
-        if self.buf is not None and self.num_rows:
-            n, used = self.num_rows, self.max_len
+        # Attention reads every position (masked ones too), so all of it must hold finite values.
+        n, used = self.num_rows, self.max_len
+        if self.buf is not None and n:
             buf[:, :, :n, :, :used] = self.buf[:, :, :n, :, :used]
+            buf[:, :, :n, :, used:].zero_()
+            buf[:, :, n:].zero_()
+        else:
+            buf.zero_()
         self.buf = buf
-        self._rows_arange = torch.arange(new_slots, device=self.device)
 
     # -- one forward: prepare, (model calls write per layer), commit -------------------------
 
@@ -120,15 +133,21 @@ class SlotKVCache(Cache):
         return pos.expand(prompt_lens.shape[0], width), mask
 
     def prepare_decode(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Before a one-token decode forward of all rows: returns (position_ids [n, 1],
-        attention mask [n, 1, 1, max_len + 1])."""
-        n, width = self.num_rows, self.max_len + 1
-        self.reserve(n, width)
-        self._mode, self._width = "decode", width
-        self._pos = self.lens[:n]
-        keys = torch.arange(width, device=self.device)
-        mask = keys[None, :] <= self._pos[:, None]
-        return self._pos[:, None], mask[:, None, None, :]
+        """Before a one-token decode forward of all rows: returns (position_ids [n, 1], additive
+        attention mask [n, 1, 1, capacity] in the cache dtype: 0 up to each row's new token, -inf
+        after)."""
+        n = self.num_rows
+        self.reserve(n, self.max_len + 1)
+        self._mode = "decode"
+        pos = self.lens[:n]
+        # Row r, head h writes at flat row (r * heads + h) * capacity + pos[r] of a layer's keys.
+        heads, cap = self.dims[1], self.capacity[1]
+        rows_heads = torch.arange(n * heads, device=self.device).view(n, heads)
+        self._flat_pos = (rows_heads * cap + pos[:, None]).view(-1)
+        keys = torch.arange(cap, device=self.device)
+        mask = torch.zeros((n, cap), dtype=self.dtype, device=self.device)
+        mask.masked_fill_(keys[None, :] > pos[:, None], float("-inf"))
+        return pos[:, None], mask[:, None, None, :]
 
     def write(
         self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor
@@ -138,10 +157,10 @@ class SlotKVCache(Cache):
         assert self.buf is not None
         kbuf, vbuf = self.buf[layer_idx, 0], self.buf[layer_idx, 1]
         if self._mode == "decode":
-            n, rows = self.num_rows, self._rows_arange[: self.num_rows]
-            kbuf[rows, :, self._pos] = keys[:, :, 0]
-            vbuf[rows, :, self._pos] = values[:, :, 0]
-            return kbuf[:n, :, : self._width], vbuf[:n, :, : self._width]
+            n, head_dim = self.num_rows, self.dims[2]
+            kbuf.view(-1, head_dim).index_copy_(0, self._flat_pos, keys.reshape(-1, head_dim))
+            vbuf.view(-1, head_dim).index_copy_(0, self._flat_pos, values.reshape(-1, head_dim))
+            return kbuf[:n], vbuf[:n]
         if self._mode == "prefill":
             start, end, width = self.num_rows, self.num_rows + self._new, self._width
             src = self._src
@@ -188,3 +207,34 @@ class SlotKVCache(Cache):
         self.num_rows = keep
         self.max_len = int(self.lens.max()) if keep else 0
         return order
+
+
+def slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention for models running on a SlotKVCache (registered as `SLOT_ATTENTION`).
+
+    A decode step (one query per row) over the contiguous cache block is two batched matmuls: the
+    query heads sharing a key/value head form the rows of one small matmul (GQA without copying
+    keys/values), softmax in float32 with the additive mask. The scores are rounded to the model
+    dtype before the softmax, as in transformers' eager attention (SDPA keeps them in float32).
+    Everything else (prefill, extra features such as softcapping) goes to transformers' SDPA path.
+    """
+    batch, heads, q_len, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    plain = all(kwargs.get(k) is None for k in ("softcap", "s_aux", "sliding_window"))
+    if q_len != 1 or not plain or not (key.is_contiguous() and value.is_contiguous()):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    groups = heads // kv_heads
+    scale = scaling if scaling is not None else dim**-0.5
+    q = query.reshape(batch * kv_heads, groups, dim)
+    scores = torch.bmm(q, key.view(batch * kv_heads, length, dim).transpose(1, 2))
+    scores = scores.view(batch, heads, length).float().mul_(scale)
+    if attention_mask is not None:
+        scores.add_(attention_mask.view(batch, 1, length))
+    probs = scores.softmax(dim=-1).to(value.dtype)
+    out = torch.bmm(probs.view(batch * kv_heads, groups, length), value.view(-1, length, dim))
+    return out.view(batch, 1, heads, dim), None
+
+
+AttentionInterface.register(SLOT_ATTENTION, slot_attention)

@@ -1,0 +1,227 @@
+"""The forward passes of the PyTorch sampling engine: prefill, decode steps, sampling.
+
+A `RowGroup` is the running rows of one adapter with their `SlotKVCache` (slot i = rows[i]).
+`BatchRunner.prefill` runs the prompts of newly admitted requests (right-padded, each prompt once
+however many samples it has), scores prompts when asked, and samples every new row's first token;
+`BatchRunner.decode` advances every row of a group by one token in one forward. Rows that finish
+leave the group (and the cache) at once; a request completes when its last row finishes.
+Only the engine loop thread calls these.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from skyrl_trainer.backend.sampling.kv_cache import SlotKVCache
+from skyrl_trainer.backend.sampling.row_sampling import SamplingSettings, sample_tokens
+from skyrl_trainer.backend.sampling.torch_requests import Pending, Row
+from skyrl_trainer.backend.sampling.torch_weights import AdapterSet
+
+logger = logging.getLogger(__name__)
+
+PROMPT_LOGPROB_CHUNK = 512  # prompt positions per lm_head call when scoring prompts
+
+
+@dataclass
+class EngineStats:
+    """Counters of the engine's work (read them from any thread; only the loop writes them)."""
+
+    requests_submitted: int = 0
+    requests_completed: int = 0
+    requests_failed: int = 0
+    prefill_forwards: int = 0
+    decode_forwards: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    max_rows: int = 0  # most rows in one decode forward
+
+    @property
+    def forward_batches(self) -> int:
+        return self.prefill_forwards + self.decode_forwards
+
+
+@dataclass
+class RowGroup:
+    """The running rows of one adapter (None: base weights); slot i of the cache holds rows[i]."""
+
+    adapter: str | None
+    cache: SlotKVCache
+    rows: list[Row] = field(default_factory=list)
+    settings: SamplingSettings | None = None
+
+
+def complete(pending: Pending, stats: EngineStats) -> None:
+    if not pending.future.done():
+        stats.requests_completed += 1
+        pending.future.set_result(pending.result())
+
+
+def fail(pending: Pending, exc: BaseException, stats: EngineStats) -> None:
+    if pending.future.done():
+        return
+    stats.requests_failed += 1
+    if pending.future.running() or pending.future.set_running_or_notify_cancel():
+        pending.future.set_exception(exc)
+
+
+class BatchRunner:
+    """Runs groups' forwards on the engine's model (see the module docstring)."""
+
+    def __init__(
+        self,
+        adapters: AdapterSet,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_model_len: int,
+        stats: EngineStats,
+    ):
+        self.adapters = adapters
+        self.dtype, self.device, self.max_model_len = dtype, device, max_model_len
+        self.stats = stats
+        config = adapters.model.config.get_text_config()
+        self.vocab_size = adapters.model.get_output_embeddings().weight.shape[0]
+        self.cache_dims = (
+            config.num_hidden_layers,
+            getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+        )
+        self.softcap = getattr(config, "final_logit_softcapping", None)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.adapters.model
+
+    def new_group(self, adapter: str | None) -> RowGroup:
+        layers, heads, head_dim = self.cache_dims
+        cache = SlotKVCache(
+            layers,
+            heads,
+            head_dim,
+            dtype=self.dtype,
+            device=self.device,
+            max_len=self.max_model_len,
+        )
+        return RowGroup(adapter, cache)
+
+    def _forward(self, group: RowGroup, ids: torch.Tensor, position_ids, mask) -> torch.Tensor:
+        self.adapters.activate(group.adapter)
+        try:
+            out = self.model.get_decoder()(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=position_ids,
+                past_key_values=group.cache,
+                use_cache=True,
+            )
+        except BaseException:
+            group.cache.abort()
+            raise
+        group.cache.commit()
+        return out.last_hidden_state
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.model.get_output_embeddings()(hidden).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def prefill(self, group: RowGroup, chunk: list[Pending]) -> None:
+        started = time.perf_counter()
+        lens = [p.prompt_len for p in chunk]
+        width = max(lens)
+        ids = torch.zeros((len(chunk), width), dtype=torch.long)
+        for i, pending in enumerate(chunk):
+            ids[i, : lens[i]] = torch.tensor(pending.request.prompt_ids)
+        ids = ids.to(self.device)
+        src = [i for i, p in enumerate(chunk) for _ in range(p.num_rows)]
+        src_t = None
+        if src != list(range(len(chunk))):
+            src_t = torch.tensor(src, dtype=torch.long, device=self.device)
+        prompt_lens = torch.tensor(lens, device=self.device)
+        position_ids, mask = group.cache.prepare_prefill(prompt_lens, src_t)
+        hidden = self._forward(group, ids, position_ids, mask)
+        self.stats.prefill_forwards += 1
+        self.stats.prompt_tokens += sum(lens)
+        new_rows = [Row(p, k) for p in chunk for k in range(p.num_rows)]
+        first = len(group.rows)
+        group.rows.extend(new_rows)
+        group.settings = None
+        for i, pending in enumerate(chunk):
+            if pending.wants_prompt_logprobs:
+                try:
+                    self._score_prompt(pending, hidden[i, : lens[i] - 1], ids[i, 1 : lens[i]])
+                except Exception as exc:  # fails this request only; its rows are dropped
+                    logger.exception("scoring the prompt of a request failed")
+                    fail(pending, exc, self.stats)
+            if pending.num_rows == 0:  # max_tokens == 0: nothing to generate
+                pending.finish_empty()
+                complete(pending, self.stats)
+        if new_rows:
+            last = hidden[torch.arange(len(chunk), device=self.device), prompt_lens - 1]
+            logits = self._logits(last)
+            self._advance(group, logits if src_t is None else logits[src_t], first)
+        logger.debug(
+            "prefill: %d requests, %d rows, %d prompt tokens (%d padded) in %.3f s",
+            len(chunk),
+            len(new_rows),
+            sum(lens),
+            len(chunk) * width,
+            time.perf_counter() - started,
+        )
+
+    def _score_prompt(self, pending: Pending, hidden: torch.Tensor, targets: torch.Tensor) -> None:
+        """log p(prompt[i] | prompt[:i]) (and the top-k) for i >= 1, from the prefill's states."""
+        k = pending.request.topk_prompt_logprobs
+        logprobs: list[float | None] = [None]
+        topk: list[list[tuple[int, float]] | None] = [None]
+        for start in range(0, hidden.shape[0], PROMPT_LOGPROB_CHUNK):
+            end = start + PROMPT_LOGPROB_CHUNK
+            logp = torch.log_softmax(self._logits(hidden[start:end]), dim=-1)
+            logprobs.extend(logp.gather(1, targets[start:end, None]).squeeze(1).tolist())
+            if k:
+                values, indices = logp.topk(k, dim=-1)
+                topk.extend([list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())])
+        pending.prompt_logprobs = logprobs if pending.request.prompt_logprobs else None
+        pending.topk_prompt_logprobs = topk if k else None
+
+    def decode(self, group: RowGroup) -> None:
+        cache = group.cache
+        ids = torch.tensor([row.tokens[-1] for row in group.rows], device=self.device)
+        position_ids, mask = cache.prepare_decode()
+        hidden = self._forward(group, ids[:, None], position_ids, mask)
+        self.stats.decode_forwards += 1
+        self.stats.max_rows = max(self.stats.max_rows, len(group.rows))
+        self._advance(group, self._logits(hidden[:, -1]), 0)
+
+    def _advance(self, group: RowGroup, logits: torch.Tensor, first: int) -> None:
+        """Sample the next token of rows[first:] from `logits`, and retire finished rows."""
+        rows = group.rows[first:]
+        if first == 0:
+            if group.settings is None:
+                group.settings = SamplingSettings.build(
+                    [r.params for r in rows], self.vocab_size, self.device
+                )
+            settings = group.settings
+        else:
+            settings = SamplingSettings.build(
+                [r.params for r in rows], self.vocab_size, self.device
+            )
+        tokens, logprobs = sample_tokens(logits, settings, [r.rng.random() for r in rows])
+        self.stats.generated_tokens += len(rows)
+        done = []
+        for i, (row, token, logprob) in enumerate(
+            zip(rows, tokens.tolist(), logprobs.tolist()), start=first
+        ):
+            if row.append(token, logprob) or row.pending.future.done():
+                done.append(i)
+                if row.pending.record(row):
+                    complete(row.pending, self.stats)
+        if done:
+            order = group.cache.remove_rows(done)
+            group.rows = [group.rows[j] for j in order]
+            group.settings = None

@@ -1,0 +1,169 @@
+"""Requests and rows of the PyTorch sampling engine: validation, per-row state, stop conditions.
+
+A `Pending` is one queued `GenerationRequest` with its future; once admitted it owns
+`num_samples` `Row`s, one per sample, each generating its own tokens until a stop condition:
+a stop token or stop string ("stop"), `max_tokens` or the model's context length ("length").
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from concurrent.futures import Future
+from typing import Literal
+
+from transformers import PreTrainedTokenizerBase
+
+from skyrl_trainer.backend.errors import InvalidRequestError
+from skyrl_trainer.backend.sampling.engine import (
+    GeneratedSequence,
+    GenerationRequest,
+    GenerationResult,
+)
+from skyrl_trainer.backend.sampling.row_sampling import StopStrings, row_rng
+
+
+def plan_prefill(lengths: list[int], max_tokens: int, overhead: int = 128) -> list[list[int]]:
+    """Group prompts (by index) into prefill forwards of right-padded prompts.
+
+    Minimises padded tokens plus `overhead` token-equivalents per forward (the cost of a separate,
+    smaller forward), each forward holding at most `max_tokens` padded tokens (or one prompt): with
+    prompts sorted by length, an exact split into runs by dynamic programming.
+    """
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    sizes = [lengths[i] for i in order]
+    best = [0.0] + [math.inf] * len(sizes)
+    start = [0] * (len(sizes) + 1)
+    for end in range(1, len(sizes) + 1):
+        for begin in range(end - 1, -1, -1):
+            padded = (end - begin) * sizes[end - 1]
+            if padded > max_tokens and end - begin > 1:
+                break
+            cost = best[begin] + padded + overhead
+            if cost < best[end]:
+                best[end], start[end] = cost, begin
+    chunks, end = [], len(sizes)
+    while end > 0:
+        chunks.append(order[start[end] : end])
+        end = start[end]
+    return chunks[::-1]
+
+
+def validate_request(request: GenerationRequest, vocab_size: int, max_model_len: int) -> None:
+    """Raise InvalidRequestError (naming the field) for a request the engine cannot serve."""
+    if not isinstance(request, GenerationRequest):
+        raise InvalidRequestError(
+            "request", f"is a {type(request).__name__}, not a GenerationRequest"
+        )
+    prompt = request.prompt_ids
+    if len(prompt) == 0:
+        raise InvalidRequestError("prompt_ids", "is empty; a prompt needs at least one token")
+    for i, token in enumerate(prompt):
+        try:
+            token = operator.index(token)
+        except TypeError:
+            raise InvalidRequestError(
+                f"prompt_ids[{i}]", f"is {token!r}, not an integer token id"
+            ) from None
+        if not 0 <= token < vocab_size:
+            raise InvalidRequestError(
+                f"prompt_ids[{i}]", f"token id {token} is outside the vocabulary [0, {vocab_size})"
+            )
+    if len(prompt) >= max_model_len:
+        raise InvalidRequestError(
+            "prompt_ids",
+            f"has {len(prompt)} tokens; the engine's context length is {max_model_len}, so a "
+            f"prompt can have at most {max_model_len - 1}",
+        )
+    if request.num_samples < 1:
+        raise InvalidRequestError("num_samples", f"is {request.num_samples}; must be >= 1")
+    k = request.topk_prompt_logprobs
+    if not 0 <= k <= vocab_size:
+        raise InvalidRequestError("topk_prompt_logprobs", f"is {k}; must be in [0, {vocab_size}]")
+    params = request.params
+    if params.max_tokens < 0:
+        raise InvalidRequestError("max_tokens", f"is {params.max_tokens}; must be >= 0")
+    if not (math.isfinite(params.temperature) and params.temperature >= 0):
+        raise InvalidRequestError(
+            "temperature", f"is {params.temperature}; must be >= 0 (0 = greedy)"
+        )
+    if not 0 < params.top_p <= 1:
+        raise InvalidRequestError("top_p", f"is {params.top_p}; must be in (0, 1]")
+    if params.top_k < -1:
+        raise InvalidRequestError("top_k", f"is {params.top_k}; must be -1 (off) or >= 1")
+    if not all(isinstance(s, str) for s in params.stop_strings):
+        raise InvalidRequestError("stop_strings", "must all be strings")
+
+
+class Pending:
+    """A request waiting for, or being served by, the engine loop."""
+
+    def __init__(
+        self,
+        request: GenerationRequest,
+        future: Future[GenerationResult],
+        tokenizer: PreTrainedTokenizerBase,
+        max_model_len: int,
+    ):
+        params = request.params
+        self.request = request
+        self.future = future
+        self.prompt_len = len(request.prompt_ids)
+        self.num_rows = request.num_samples if params.max_tokens > 0 else 0
+        self.wants_prompt_logprobs = request.prompt_logprobs or request.topk_prompt_logprobs > 0
+        self.limit = min(params.max_tokens, max_model_len - self.prompt_len)
+        self.stop_ids = frozenset(params.stop_token_ids)
+        self.stop_strings = StopStrings(tokenizer, params.stop_strings)
+        self.sequences: list[GeneratedSequence | None] = [None] * request.num_samples
+        self.remaining = self.num_rows
+        self.prompt_logprobs: list[float | None] | None = None
+        self.topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
+
+    def record(self, row: Row) -> bool:
+        """Note that `row` left the batch; True when it was the request's last row."""
+        if row.stop_reason is not None:
+            self.sequences[row.index] = GeneratedSequence(row.tokens, row.logprobs, row.stop_reason)
+        self.remaining -= 1
+        return self.remaining == 0
+
+    def finish_empty(self) -> None:
+        """max_tokens == 0: every sample is empty."""
+        self.sequences = [
+            GeneratedSequence([], [], "length") for _ in range(self.request.num_samples)
+        ]
+
+    def result(self) -> GenerationResult:
+        assert all(s is not None for s in self.sequences)
+        return GenerationResult(
+            sequences=list(self.sequences),
+            prompt_logprobs=self.prompt_logprobs,
+            topk_prompt_logprobs=self.topk_prompt_logprobs,
+        )
+
+
+class Row:
+    """One sample of a request: its tokens so far, their log-probs and its random stream."""
+
+    __slots__ = ("pending", "index", "params", "rng", "tokens", "logprobs", "stop_reason")
+
+    def __init__(self, pending: Pending, index: int):
+        self.pending = pending
+        self.index = index
+        self.params = pending.request.params
+        self.rng = row_rng(self.params.seed, index)
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.stop_reason: Literal["stop", "length"] | None = None
+
+    def append(self, token: int, logprob: float) -> bool:
+        """Add a sampled token; True when the row is finished (stop_reason set)."""
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        pending = self.pending
+        if token in pending.stop_ids or (
+            pending.stop_strings and pending.stop_strings.hit(self.tokens)
+        ):
+            self.stop_reason = "stop"
+        elif len(self.tokens) >= pending.limit:
+            self.stop_reason = "length"
+        return self.stop_reason is not None
