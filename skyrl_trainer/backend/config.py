@@ -24,6 +24,24 @@ class TrainingConfig:
 
 
 @dataclass
+class SamplingConfig:
+    """How sampling engines run and what a sample request may ask for."""
+
+    engine: str = "auto"
+    """"auto" or "torch" (the PyTorch engine; the vLLM engine is not in this version yet)."""
+    dtype: str = "bfloat16"
+    device: str = "auto"
+    max_batch_size: int = 128
+    """Most sequences decoding at once per engine; more requests wait and join as rows finish."""
+    max_num_samples: int = 128
+    """Cap on `num_samples` per request."""
+    max_tokens: int = 4096
+    """Cap on `sampling_params.max_tokens` (also bounded by the context length)."""
+    max_lora_snapshots: int = 8
+    """LoRA snapshots kept live per model; sessions bound to older ones get a clear error."""
+
+
+@dataclass
 class BackendConfig:
     """The in-process Tinker backend."""
 
@@ -35,6 +53,7 @@ class BackendConfig:
     cache_dir: str | None = None
     """Converted models and other caches; default $SKYRL_CACHE_DIR or ~/.cache/skyrl_trainer."""
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
     def resolved_cache_dir(self) -> Path:
         return Path(self.cache_dir).expanduser() if self.cache_dir else default_cache_dir()

@@ -30,8 +30,11 @@ from skyrl_trainer.backend.checkpoints import CheckpointMetadata, CheckpointStor
 from skyrl_trainer.backend.config import BackendConfig
 from skyrl_trainer.backend.datums import to_training_examples
 from skyrl_trainer.backend.errors import InvalidRequestError, NotFoundError
+from skyrl_trainer.backend.futures import failed, mapped
 from skyrl_trainer.backend.losses import get_loss, resolve_loss_config
 from skyrl_trainer.backend.optimizer import validate_adam_params
+from skyrl_trainer.backend.sample_requests import to_generation_request, to_sample_response
+from skyrl_trainer.backend.samplers import SamplerRegistry
 from skyrl_trainer.backend.worker_group import TrainingWorkerGroup, make_worker_group
 
 T = TypeVar("T")
@@ -86,6 +89,11 @@ class BackendCore:
         self._models: dict[str, ModelRecord] = {}
         self._bases: dict[str, _BaseModelSlot] = {}
         self._tokenizers: dict[str, Any] = {}
+        self.samplers = SamplerRegistry(
+            self.config.sampling,
+            lambda name: model_loading.resolve_model_dir(name, self.config.resolved_cache_dir()),
+        )
+        self._sample_seq = itertools.count()
 
     # ----- sessions and lookup ------------------------------------------------------------
 
@@ -147,9 +155,7 @@ class BackendCore:
         try:
             record = self.model(model_id)
         except InvalidRequestError as exc:
-            failed: Future[T] = Future()
-            failed.set_exception(exc)
-            return failed
+            return failed(exc)
         slot = self._base_slot(record.base_model)
         return self._submit(slot, lambda: job(record, self._group(slot)))
 
@@ -183,9 +189,7 @@ class BackendCore:
                 raise InvalidRequestError("model_seq_id", f"model '{model_id}' already exists")
             slot = self._base_slot(base_model)
         except InvalidRequestError as exc:
-            failed: Future[str] = Future()
-            failed.set_exception(exc)
-            return failed
+            return failed(exc)
 
         def job() -> str:
             group = self._group(slot)
@@ -404,9 +408,7 @@ class BackendCore:
                     f"is '{base_model}' but the checkpoint was trained on '{metadata.base_model}'",
                 )
         except InvalidRequestError as exc:
-            failed: Future[str] = Future()
-            failed.set_exception(exc)
-            return failed
+            return failed(exc)
         return self.create_model(
             session_id,
             metadata.base_model,
@@ -416,9 +418,111 @@ class BackendCore:
             initial_state=(path, with_optimizer),
         )
 
+    # ----- sampling -----------------------------------------------------------------------
+
+    def save_weights_for_sampler(
+        self,
+        model_id: str,
+        name: str | None = None,
+        ttl_seconds: int | None = None,
+        user_metadata: dict[str, str] | None = None,
+    ) -> Future[tuple[str | None, str]]:
+        """Make a sampler serve the model's current weights; returns (path, sampler_id).
+
+        Queued behind the model's earlier requests, so the snapshot holds every preceding
+        `optim_step`. The weights reach the engine in memory (LoRA: an adapter; full
+        fine-tuning: an in-place update). With `name`, they are also saved as the checkpoint
+        `tinker://<model_id>/sampler_weights/<name>` (PEFT adapter or HF model folder).
+        """
+
+        def job(record: ModelRecord, group: TrainingWorkerGroup) -> tuple[str | None, str]:
+            path = None
+            if name is not None:
+                now = time.time()
+                metadata = CheckpointMetadata(
+                    base_model=record.base_model,
+                    is_lora=record.lora is not None,
+                    lora_rank=record.lora.rank if record.lora else None,
+                    lora_config=record.lora.model_dump() if record.lora else None,
+                    model_id=model_id,
+                    has_optimizer=False,
+                    created_at=now,
+                    expires_at=now + ttl_seconds if ttl_seconds else None,
+                    user_metadata=user_metadata,
+                )
+                path = self.store.write(
+                    model_id,
+                    "sampler",
+                    name,
+                    metadata,
+                    lambda folder: group.save_sampler_weights(model_id, folder),
+                    overwrite=True,
+                )
+            if record.lora is None:
+                weights = group.full_weights(model_id)
+                return path, self.samplers.bind_full_weights(model_id, record.base_model, weights)
+            if path is not None:
+                folder, _ = self.store.resolve(path)
+                return path, self.samplers.bind_lora(model_id, record.base_model, folder, path)
+            sampler_id = self.samplers.bind_lora_tensors(
+                model_id,
+                record.base_model,
+                lambda folder: group.save_sampler_weights(model_id, folder),
+            )
+            return None, sampler_id
+
+        return self._submit_for_model(model_id, job)
+
+    def create_sampling_session(
+        self, model_path: str | None = None, base_model: str | None = None
+    ) -> str:
+        """A sampler on a saved checkpoint (`model_path`) or on a base model's weights."""
+        if (model_path is None) == (base_model is None):
+            raise InvalidRequestError("model_path", "pass exactly one of model_path or base_model")
+        if base_model is not None:
+            return self.samplers.bind_base(canonical_model_name(base_model))
+        folder, metadata = self.store.resolve(model_path, field="model_path")
+        if metadata.is_lora:
+            return self.samplers.bind_lora(model_path, metadata.base_model, folder, model_path)
+        return self.samplers.bind_full_folder(model_path, metadata.base_model, folder)
+
+    def sampler_base_model(self, sampler_id: str) -> str:
+        return self.samplers.binding(sampler_id).base_model
+
+    def sample(
+        self,
+        sampler_id: str,
+        prompt: types.ModelInput,
+        num_samples: int,
+        sampling_params: types.SamplingParams,
+        include_prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+    ) -> Future[types.SampleResponse]:
+        """Sample `num_samples` continuations of `prompt` from the sampler's weights."""
+        try:
+            tokenizer = self.samplers.tokenizer(sampler_id)
+            engine_len = getattr(self.samplers.engine(sampler_id), "max_model_len", None)
+            request = to_generation_request(
+                prompt,
+                num_samples,
+                sampling_params,
+                include_prompt_logprobs=include_prompt_logprobs,
+                topk_prompt_logprobs=topk_prompt_logprobs,
+                vocab_size=len(tokenizer),
+                context_length=engine_len or tokenizer.model_max_length,
+                eos_token_id=tokenizer.eos_token_id,
+                config=self.config.sampling,
+            )
+            result = self.samplers.generate(sampler_id, request)
+        except InvalidRequestError as exc:
+            return failed(exc)
+        prefix = f"{sampler_id}:{next(self._sample_seq)}"
+        return mapped(result, lambda r: to_sample_response(r, prefix, topk_prompt_logprobs))
+
     def shutdown(self) -> None:
         for slot in list(self._bases.values()):
             slot.executor.shutdown(wait=True, cancel_futures=True)
+        self.samplers.shutdown()
 
 
 def canonical_model_name(name: str) -> str:

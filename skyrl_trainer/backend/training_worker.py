@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,15 @@ from skyrl_trainer.backend.optimizer import adam_step, make_adamw
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 FULL_WEIGHTS = "model.safetensors"
 OPTIMIZER_STATE = "optimizer.pt"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "vocab.json",
+    "merges.txt",
+)
 
 
 @dataclass(frozen=True)
@@ -275,6 +285,22 @@ class TrainingWorker:
                 },
                 directory / OPTIMIZER_STATE,
             )
+
+    def save_sampler_weights(self, model_id: str, directory: Path) -> None:
+        """Weights a sampler (or plain transformers / vLLM) loads directly: a PEFT adapter
+        folder, or a full Hugging Face model folder with the tokenizer."""
+        self.save_state(model_id, directory, with_optimizer=False)
+        if self._slot(model_id).adapter_name is None:
+            for name in TOKENIZER_FILES:
+                if (self.model_dir / name).exists():
+                    shutil.copy2(self.model_dir / name, directory / name)
+
+    def full_weights(self, model_id: str) -> dict[str, torch.Tensor]:
+        """A full fine-tuning model's weights by Hugging Face name (detached copies)."""
+        slot = self._slot(model_id)
+        if slot.adapter_name is not None:
+            raise InvalidRequestError("model_id", f"model '{model_id}' is a LoRA model")
+        return {name: p.detach().clone() for name, p in slot.named_params}
 
     def load_state(self, model_id: str, directory: Path, with_optimizer: bool) -> None:
         """Load weights saved by `save_state`; the optimizer state too, or a fresh optimizer.

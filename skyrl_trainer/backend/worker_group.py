@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
+import torch
 from tinker import types
 
 from skyrl_trainer.backend.config import TrainingConfig
@@ -41,6 +42,10 @@ class TrainingWorkerGroup(Protocol):
     def save_state(self, model_id: str, directory: Path, with_optimizer: bool) -> None: ...
 
     def load_state(self, model_id: str, directory: Path, with_optimizer: bool) -> None: ...
+
+    def save_sampler_weights(self, model_id: str, directory: Path) -> None: ...
+
+    def full_weights(self, model_id: str) -> dict[str, torch.Tensor]: ...
 
 
 def make_worker_group(model_dir: Path, config: TrainingConfig) -> TrainingWorkerGroup:

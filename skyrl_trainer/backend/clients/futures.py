@@ -3,45 +3,19 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from tinker.lib.public_interfaces.api_future import APIFuture, AwaitableConcurrentFuture
 
+from skyrl_trainer.backend.futures import done, failed, mapped, run_now  # noqa: F401 (re-exported)
+
 T = TypeVar("T")
-U = TypeVar("U")
 
 
 def api_future(future: Future[T]) -> APIFuture[T]:
     """Wrap a `concurrent.futures.Future` as the SDK's `APIFuture`."""
     return AwaitableConcurrentFuture(future)
-
-
-def mapped(future: Future[T], fn: Callable[[T], U]) -> Future[U]:
-    """A future of `fn(result)`; exceptions (from `future` or `fn`) pass through."""
-    out: Future[U] = Future()
-
-    def on_done(done: Future[T]) -> None:
-        try:
-            out.set_result(fn(done.result()))
-        except BaseException as exc:
-            out.set_exception(exc)
-
-    future.add_done_callback(on_done)
-    return out
-
-
-def done(value: T) -> Future[T]:
-    out: Future[T] = Future()
-    out.set_result(value)
-    return out
-
-
-def failed(exc: BaseException) -> Future[Any]:
-    out: Future[Any] = Future()
-    out.set_exception(exc)
-    return out
 
 
 class ClientFuture(AwaitableConcurrentFuture[T]):

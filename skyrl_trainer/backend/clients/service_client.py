@@ -15,7 +15,15 @@ from typing import Any
 from tinker import types
 from tinker.lib.public_interfaces.api_future import APIFuture
 
-from skyrl_trainer.backend.clients.futures import ClientFuture, api_future, done, failed, mapped
+from skyrl_trainer.backend.clients.futures import (
+    ClientFuture,
+    api_future,
+    done,
+    failed,
+    mapped,
+    run_now,
+)
+from skyrl_trainer.backend.clients.sampling_client import SamplingClient
 from skyrl_trainer.backend.clients.training_client import TrainingClient
 from skyrl_trainer.backend.config import BackendConfig
 from skyrl_trainer.backend.core import BackendCore
@@ -131,6 +139,30 @@ class ServiceClient:
                 self.session_id, path, with_optimizer, base_model, user_metadata
             )
         )
+
+    # ----- sampling clients ---------------------------------------------------------------
+
+    def create_sampling_client(
+        self,
+        model_path: str | None = None,
+        base_model: str | None = None,
+        retry_config: Any = None,
+        record_stability_info: bool = False,
+    ) -> ClientFuture[SamplingClient]:
+        """A sampling client on a saved checkpoint (`model_path`, tinker://...) or on the
+        base weights of `base_model`."""
+        return ClientFuture(
+            run_now(
+                lambda: SamplingClient(
+                    self.core,
+                    self.core.create_sampling_session(model_path=model_path, base_model=base_model),
+                    model_path,
+                ),
+            )
+        )
+
+    async def create_sampling_client_async(self, *args, **kwargs) -> SamplingClient:
+        return await self.create_sampling_client(*args, **kwargs)
 
     # ----- service ------------------------------------------------------------------------
 

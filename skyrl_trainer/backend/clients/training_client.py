@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 from tinker import types
 from tinker.lib.public_interfaces.api_future import APIFuture
 
-from skyrl_trainer.backend.clients.futures import api_future, failed
+from skyrl_trainer.backend.clients.futures import ClientFuture, api_future, failed, mapped, run_now
+from skyrl_trainer.backend.clients.sampling_client import SamplingClient
 from skyrl_trainer.backend.core import CustomLossFn
 from skyrl_trainer.backend.errors import InvalidRequestError
 
@@ -171,6 +172,50 @@ class TrainingClient:
 
     async def load_state_with_optimizer_async(self, path, weights_access_token=None):
         return self.load_state_with_optimizer(path, weights_access_token)
+
+    # ----- sampling -----------------------------------------------------------------------
+
+    def save_weights_for_sampler(
+        self,
+        name: str,
+        ttl_seconds: int | None = None,
+        user_metadata: dict[str, str] | None = None,
+    ) -> APIFuture[types.SaveWeightsForSamplerResponse]:
+        """Save the current weights as `tinker://<model_id>/sampler_weights/<name>` (a PEFT
+        adapter or a Hugging Face model folder) and load them into the sampling engine."""
+        saved = self._core.save_weights_for_sampler(self.model_id, name, ttl_seconds, user_metadata)
+        return api_future(mapped(saved, lambda r: types.SaveWeightsForSamplerResponse(path=r[0])))
+
+    async def save_weights_for_sampler_async(self, name, ttl_seconds=None, user_metadata=None):
+        return self.save_weights_for_sampler(name, ttl_seconds, user_metadata)
+
+    def save_weights_and_get_sampling_client(
+        self, name: str | None = None, retry_config: Any = None, **_: Any
+    ) -> ClientFuture[SamplingClient]:
+        """A sampling client on exactly the current weights, synced in memory (no disk unless
+        `name` is given, which also saves a sampler checkpoint)."""
+        saved = self._core.save_weights_for_sampler(self.model_id, name)
+        return ClientFuture(
+            mapped(saved, lambda r: SamplingClient(self._core, sampler_id=r[1], model_path=r[0]))
+        )
+
+    async def save_weights_and_get_sampling_client_async(self, name=None, retry_config=None):
+        return await self.save_weights_and_get_sampling_client(name, retry_config)
+
+    def create_sampling_client(self, model_path: str, retry_config: Any = None) -> ClientFuture:
+        """A sampling client on a saved checkpoint (same as `ServiceClient`'s)."""
+        return ClientFuture(
+            run_now(
+                lambda: SamplingClient(
+                    self._core,
+                    self._core.create_sampling_session(model_path=model_path),
+                    model_path,
+                ),
+            )
+        )
+
+    async def create_sampling_client_async(self, model_path, retry_config=None):
+        return await self.create_sampling_client(model_path, retry_config)
 
     # ----- info ---------------------------------------------------------------------------
 

@@ -1,0 +1,219 @@
+"""Sampling sessions: which weights each sampler serves, and the engines that serve them.
+
+A sampling session is bound once, at creation, to exactly one set of weights:
+- the base model (served by the base model's shared engine);
+- a LoRA snapshot: an adapter loaded into the base engine under a unique name. Several
+  snapshots are live at once; the oldest beyond `max_lora_snapshots` per model are unloaded,
+  and sessions bound to them fail with a clear error from then on;
+- a full-weights snapshot: full fine-tuning models get an engine of their own whose weights
+  are replaced in place, so only the newest snapshot is live; a session bound to an older
+  one fails with a clear error. It never silently serves other weights.
+"""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+import tempfile
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from skyrl_trainer.backend.config import SamplingConfig
+from skyrl_trainer.backend.errors import InvalidRequestError, NotFoundError
+from skyrl_trainer.backend.sampling.engine import (
+    GenerationRequest,
+    GenerationResult,
+    SamplingEngine,
+)
+
+
+class StaleSnapshotError(InvalidRequestError):
+    """The session's snapshot is no longer served (newer weights replaced it)."""
+
+
+def make_sampling_engine(model_dir: Path, config: SamplingConfig) -> SamplingEngine:
+    """The engine `config.engine` names for the model folder `model_dir`."""
+    if config.engine in ("auto", "torch"):
+        # The vLLM engine is not part of this backend yet; "auto" means the PyTorch engine.
+        from skyrl_trainer.backend.sampling.torch_engine import TorchSamplingEngine
+
+        return TorchSamplingEngine(
+            model_dir,
+            dtype=config.dtype,
+            device=config.device,
+            max_batch_size=config.max_batch_size,
+            num_threads=torch.get_num_threads(),
+        )
+    raise InvalidRequestError(
+        "sampling.engine", f"unknown engine {config.engine!r}; choose 'auto' or 'torch'"
+    )
+
+
+@dataclass
+class SamplerBinding:
+    """What one sampling session serves."""
+
+    sampler_id: str
+    base_model: str
+    engine_key: str
+    adapter: str | None = None
+    version: int | None = None  # the full-weights version this session is bound to
+    model_path: str | None = None
+
+
+@dataclass
+class _EngineSlot:
+    engine: SamplingEngine
+    version: int = 0  # bumped by every in-place full-weights update
+    lora_snapshots: dict[str, deque[str]] = field(default_factory=dict)  # owner -> adapters
+    live_adapters: set[str] = field(default_factory=set)
+
+
+class SamplerRegistry:
+    """Engines per base model (and per full fine-tuning model), and the sessions bound to them."""
+
+    def __init__(self, config: SamplingConfig, resolve_model_dir: Callable[[str], Path]):
+        self.config = config
+        self._resolve_model_dir = resolve_model_dir
+        self._lock = threading.RLock()
+        self._engines: dict[str, _EngineSlot] = {}
+        self._sessions: dict[str, SamplerBinding] = {}
+        self._ids = itertools.count()
+        self._scratch = Path(tempfile.mkdtemp(prefix="skyrl-adapters-", dir=_memory_dir()))
+
+    # ----- engines ------------------------------------------------------------------------
+
+    def _engine(self, key: str, model_dir: Callable[[], Path]) -> _EngineSlot:
+        with self._lock:
+            slot = self._engines.get(key)
+            if slot is None:
+                slot = self._engines[key] = _EngineSlot(
+                    make_sampling_engine(model_dir(), self.config)
+                )
+            return slot
+
+    def _base_engine(self, base_model: str) -> _EngineSlot:
+        return self._engine(base_model, lambda: self._resolve_model_dir(base_model))
+
+    def _new_session(self, **binding) -> str:
+        sampler_id = f"sampler-{next(self._ids)}"
+        with self._lock:
+            self._sessions[sampler_id] = SamplerBinding(sampler_id=sampler_id, **binding)
+        return sampler_id
+
+    def binding(self, sampler_id: str) -> SamplerBinding:
+        binding = self._sessions.get(sampler_id)
+        if binding is None:
+            raise NotFoundError("sampling_session_id", f"unknown sampler '{sampler_id}'")
+        return binding
+
+    # ----- binding sessions ---------------------------------------------------------------
+
+    def bind_base(self, base_model: str) -> str:
+        """A session on the base model's own weights."""
+        self._base_engine(base_model)
+        return self._new_session(base_model=base_model, engine_key=base_model)
+
+    def bind_lora(
+        self, owner: str, base_model: str, adapter_dir: Path, model_path: str | None = None
+    ) -> str:
+        """Load the PEFT adapter in `adapter_dir` as a new snapshot of `owner` (a model id or a
+        checkpoint path) into the base engine, and bind a session to it."""
+        slot = self._base_engine(base_model)
+        with self._lock:
+            adapter = f"lora-{next(self._ids)}"
+        slot.engine.add_lora(adapter, str(adapter_dir))
+        with self._lock:
+            slot.live_adapters.add(adapter)
+            snapshots = slot.lora_snapshots.setdefault(owner, deque())
+            snapshots.append(adapter)
+            evicted = []
+            while len(snapshots) > self.config.max_lora_snapshots:
+                evicted.append(snapshots.popleft())
+        for old in evicted:
+            slot.live_adapters.discard(old)
+            slot.engine.remove_lora(old)
+        return self._new_session(
+            base_model=base_model, engine_key=base_model, adapter=adapter, model_path=model_path
+        )
+
+    def bind_lora_tensors(
+        self, owner: str, base_model: str, write_adapter: Callable[[Path], None]
+    ) -> str:
+        """Like `bind_lora`, from an adapter written to a memory-backed scratch folder (deleted
+        once the engine has loaded it: nothing reaches the disk on Linux)."""
+        folder = Path(tempfile.mkdtemp(dir=self._scratch))
+        try:
+            write_adapter(folder)
+            return self.bind_lora(owner, base_model, folder)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def bind_full_weights(
+        self, owner: str, base_model: str, named_tensors: dict[str, torch.Tensor]
+    ) -> str:
+        """Copy full fine-tuned weights into `owner`'s own engine in place (a new version) and
+        bind a session to that version; sessions on earlier versions go stale."""
+        slot = self._engine(f"full:{owner}", lambda: self._resolve_model_dir(base_model))
+        slot.engine.update_weights(named_tensors)
+        with self._lock:
+            slot.version += 1
+            version = slot.version
+        return self._new_session(base_model=base_model, engine_key=f"full:{owner}", version=version)
+
+    def bind_full_folder(self, model_path: str, base_model: str, folder: Path) -> str:
+        """A session on a saved full-weights checkpoint folder (an engine of its own)."""
+        self._engine(f"full:{model_path}", lambda: folder)
+        return self._new_session(
+            base_model=base_model, engine_key=f"full:{model_path}", version=0, model_path=model_path
+        )
+
+    # ----- sampling -----------------------------------------------------------------------
+
+    def generate(self, sampler_id: str, request: GenerationRequest) -> Future[GenerationResult]:
+        """Run `request` on exactly the weights the session is bound to."""
+        binding = self.binding(sampler_id)
+        slot = self._engines[binding.engine_key]
+        if binding.adapter is not None and binding.adapter not in slot.live_adapters:
+            raise StaleSnapshotError(
+                "sampling_session_id",
+                f"sampler '{sampler_id}' was bound to a LoRA snapshot that has been unloaded "
+                f"(at most {self.config.max_lora_snapshots} snapshots per model stay live); "
+                "get a new sampling client from the training client",
+            )
+        if binding.version not in (None, 0) and binding.version != slot.version:
+            raise StaleSnapshotError(
+                "sampling_session_id",
+                f"sampler '{sampler_id}' was bound to full-weights snapshot {binding.version}, "
+                f"but the model has since synced snapshot {slot.version} (full fine-tuning keeps "
+                "one live snapshot per model); get a new sampling client",
+            )
+        return slot.engine.generate(_with_adapter(request, binding.adapter))
+
+    def engine(self, sampler_id: str) -> SamplingEngine:
+        return self._engines[self.binding(sampler_id).engine_key].engine
+
+    def tokenizer(self, sampler_id: str):
+        return self.engine(sampler_id).tokenizer
+
+    def shutdown(self) -> None:
+        for slot in list(self._engines.values()):
+            slot.engine.shutdown()
+        shutil.rmtree(self._scratch, ignore_errors=True)
+
+
+def _with_adapter(request: GenerationRequest, adapter: str | None) -> GenerationRequest:
+    from dataclasses import replace
+
+    return replace(request, adapter=adapter)
+
+
+def _memory_dir() -> str | None:
+    shm = Path("/dev/shm")
+    return str(shm) if shm.is_dir() else None
