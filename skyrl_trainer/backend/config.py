@@ -20,7 +20,11 @@ class TrainingConfig:
     micro_batch_tokens: int = 4096
     """Padded tokens (rows x longest) per forward/backward micro-batch: bounds activation memory."""
     logprob_chunk_tokens: int = 1024
-    """Tokens per chunk of the vocabulary projection; only one chunk's logits live at a time."""
+    """Rows per chunk of the float32 softmax math over the vocabulary."""
+    recompute_logits: bool = False
+    """False: the logits of a micro-batch are kept (in the compute dtype) for backward.
+    True: the vocabulary projection is recomputed chunk by chunk in backward, so only one
+    chunk's logits exist at a time (less memory, one extra projection)."""
 
 
 @dataclass

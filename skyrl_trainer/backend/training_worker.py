@@ -29,6 +29,7 @@ from skyrl_trainer.backend.losses import LossSpec
 from skyrl_trainer.backend.micro_batches import pad_right, plan_micro_batches
 from skyrl_trainer.backend.model_loading import load_causal_lm, parse_dtype
 from skyrl_trainer.backend.optimizer import adam_step, make_adamw
+from skyrl_trainer.backend.target_logprobs import target_logprobs
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 FULL_WEIGHTS = "model.safetensors"
@@ -158,24 +159,29 @@ class TrainingWorker:
     def _target_logprobs(
         self, head: torch.nn.Module, hidden_ND: torch.Tensor, targets_N: torch.Tensor
     ) -> torch.Tensor:
-        """log p(target) for each row, projecting to the vocabulary one chunk at a time.
+        """log p(target) for each row (float32).
 
-        Only one chunk's logits exist at once; under autograd each chunk is recomputed in
-        backward (activation checkpointing), so memory does not scale with vocab x tokens.
+        Default: one vocabulary projection, whose logits (compute dtype) are kept for backward;
+        memory is bounded by `micro_batch_tokens`. With `recompute_logits`, the projection runs
+        in chunks of `logprob_chunk_tokens` and is recomputed in backward, so only one chunk's
+        logits exist at a time (for large vocabularies on small devices).
         """
+        step = self.config.logprob_chunk_tokens
+        if not (self.config.recompute_logits and torch.is_grad_enabled()):
+            return target_logprobs(head(hidden_ND), targets_N, chunk=step)
 
         def chunk_logprobs(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-            logits = head(h).float()
-            return logits.gather(-1, t.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+            return target_logprobs(head(h), t, chunk=step)
 
-        step = self.config.logprob_chunk_tokens
-        chunks = []
-        for start in range(0, hidden_ND.shape[0], step):
-            h, t = hidden_ND[start : start + step], targets_N[start : start + step]
-            if torch.is_grad_enabled():
-                chunks.append(checkpoint(chunk_logprobs, h, t, use_reentrant=False))
-            else:
-                chunks.append(chunk_logprobs(h, t))
+        chunks = [
+            checkpoint(
+                chunk_logprobs,
+                hidden_ND[start : start + step],
+                targets_N[start : start + step],
+                use_reentrant=False,
+            )
+            for start in range(0, hidden_ND.shape[0], step)
+        ]
         return torch.cat(chunks)
 
     def _forward_micro_batch(
