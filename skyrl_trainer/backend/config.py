@@ -17,7 +17,7 @@ class TrainingConfig:
     bf16 autocast (3-4x faster than float32 on AMX CPUs). float32: exact arithmetic."""
     device: str = "auto"
     """"auto" (cuda when available, else cpu), "cpu" or "cuda"."""
-    micro_batch_tokens: int = 4096
+    micro_batch_tokens: int = 2048
     """Padded tokens (rows x longest) per forward/backward micro-batch: bounds activation memory."""
     logprob_chunk_tokens: int = 1024
     """Rows per chunk of the float32 softmax math over the vocabulary."""
