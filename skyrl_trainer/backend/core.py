@@ -484,7 +484,9 @@ class BackendCore:
         folder, metadata = self.store.resolve(model_path, field="model_path")
         if metadata.is_lora:
             return self.samplers.bind_lora(model_path, metadata.base_model, folder, model_path)
-        return self.samplers.bind_full_folder(model_path, metadata.base_model, folder)
+        return self.samplers.bind_full_folder(
+            model_path, metadata.base_model, folder, metadata.created_at
+        )
 
     def sampler_base_model(self, sampler_id: str) -> str:
         return self.samplers.binding(sampler_id).base_model

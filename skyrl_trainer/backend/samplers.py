@@ -167,11 +167,15 @@ class SamplerRegistry:
             version = slot.version
         return self._new_session(base_model=base_model, engine_key=f"full:{owner}", version=version)
 
-    def bind_full_folder(self, model_path: str, base_model: str, folder: Path) -> str:
-        """A session on a saved full-weights checkpoint folder (an engine of its own)."""
-        self._engine(f"full:{model_path}", lambda: folder)
+    def bind_full_folder(
+        self, model_path: str, base_model: str, folder: Path, created_at: float
+    ) -> str:
+        """A session on a saved full-weights checkpoint folder (an engine of its own, keyed by
+        path and creation time, so a checkpoint overwritten under its name gets a new one)."""
+        key = f"full:{model_path}@{created_at}"
+        self._engine(key, lambda: folder)
         return self._new_session(
-            base_model=base_model, engine_key=f"full:{model_path}", version=0, model_path=model_path
+            base_model=base_model, engine_key=key, version=0, model_path=model_path
         )
 
     # ----- sampling -----------------------------------------------------------------------

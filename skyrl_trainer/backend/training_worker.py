@@ -283,6 +283,9 @@ class TrainingWorker:
         else:
             save_file(tensors, directory / FULL_WEIGHTS, metadata={"format": "pt"})
             slot.hf_model.config.save_pretrained(directory)
+            for name in TOKENIZER_FILES:  # a complete HF folder: transformers/vLLM load it as is
+                if (self.model_dir / name).exists():
+                    shutil.copy2(self.model_dir / name, directory / name)
         if with_optimizer:
             torch.save(
                 {
@@ -296,10 +299,6 @@ class TrainingWorker:
         """Weights a sampler (or plain transformers / vLLM) loads directly: a PEFT adapter
         folder, or a full Hugging Face model folder with the tokenizer."""
         self.save_state(model_id, directory, with_optimizer=False)
-        if self._slot(model_id).adapter_name is None:
-            for name in TOKENIZER_FILES:
-                if (self.model_dir / name).exists():
-                    shutil.copy2(self.model_dir / name, directory / name)
 
     def full_weights(self, model_id: str) -> dict[str, torch.Tensor]:
         """A full fine-tuning model's weights by Hugging Face name (detached copies)."""
