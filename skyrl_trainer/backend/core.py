@@ -328,18 +328,7 @@ class BackendCore:
         """Save weights and optimizer state to `tinker://<model_id>/weights/<name>`."""
 
         def job(record: ModelRecord, group: TrainingWorkerGroup) -> types.SaveWeightsResponse:
-            now = time.time()
-            metadata = CheckpointMetadata(
-                base_model=record.base_model,
-                is_lora=record.lora is not None,
-                lora_rank=record.lora.rank if record.lora else None,
-                lora_config=record.lora.model_dump() if record.lora else None,
-                model_id=model_id,
-                has_optimizer=True,
-                created_at=now,
-                expires_at=now + ttl_seconds if ttl_seconds else None,
-                user_metadata=user_metadata,
-            )
+            metadata = _checkpoint_metadata(record, True, ttl_seconds, user_metadata)
             path = self.store.write(
                 model_id,
                 "training",
@@ -438,18 +427,7 @@ class BackendCore:
         def job(record: ModelRecord, group: TrainingWorkerGroup) -> tuple[str | None, str]:
             path = None
             if name is not None:
-                now = time.time()
-                metadata = CheckpointMetadata(
-                    base_model=record.base_model,
-                    is_lora=record.lora is not None,
-                    lora_rank=record.lora.rank if record.lora else None,
-                    lora_config=record.lora.model_dump() if record.lora else None,
-                    model_id=model_id,
-                    has_optimizer=False,
-                    created_at=now,
-                    expires_at=now + ttl_seconds if ttl_seconds else None,
-                    user_metadata=user_metadata,
-                )
+                metadata = _checkpoint_metadata(record, False, ttl_seconds, user_metadata)
                 path = self.store.write(
                     model_id,
                     "sampler",
@@ -525,6 +503,26 @@ class BackendCore:
         for slot in list(self._bases.values()):
             slot.executor.shutdown(wait=True, cancel_futures=True)
         self.samplers.shutdown()
+
+
+def _checkpoint_metadata(
+    record: ModelRecord,
+    has_optimizer: bool,
+    ttl_seconds: int | None,
+    user_metadata: dict[str, str] | None,
+) -> CheckpointMetadata:
+    now = time.time()
+    return CheckpointMetadata(
+        base_model=record.base_model,
+        is_lora=record.lora is not None,
+        lora_rank=record.lora.rank if record.lora else None,
+        lora_config=record.lora.model_dump() if record.lora else None,
+        model_id=record.model_id,
+        has_optimizer=has_optimizer,
+        created_at=now,
+        expires_at=now + ttl_seconds if ttl_seconds else None,
+        user_metadata=user_metadata,
+    )
 
 
 def canonical_model_name(name: str) -> str:
