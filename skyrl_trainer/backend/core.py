@@ -238,7 +238,7 @@ class BackendCore:
     def get_server_capabilities(self) -> types.GetServerCapabilitiesResponse:
         return types.GetServerCapabilitiesResponse(
             supported_models=[
-                types.SupportedModel(model_name=name, trainable=True, sampleable=False)
+                types.SupportedModel(model_name=name, trainable=True, sampleable=True)
                 for name in self.config.base_models
             ]
         )

@@ -918,6 +918,7 @@ def test_get_info_tokenizer_and_capabilities(sc, tiny_model_dir, tokenizer):
     caps = sc.get_server_capabilities()
     assert isinstance(caps, types.GetServerCapabilitiesResponse)
     assert "SmolLM2-135M-Instruct" in [m.model_name for m in caps.supported_models]
+    assert all(m.trainable and m.sampleable for m in caps.supported_models)
     assert asyncio.run(sc.get_server_capabilities_async()) == caps
 
 
