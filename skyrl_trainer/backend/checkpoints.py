@@ -89,25 +89,16 @@ class CheckpointStore:
         if parsed.training_run_id in ("", ".", "..") or parsed.training_run_id.startswith("."):
             raise InvalidRequestError(field, f"invalid run id in {tinker_path!r}")
         folder = self.folder(parsed.training_run_id, parsed.checkpoint_type, name)
-        metadata_file = folder / METADATA_FILE
-        if not metadata_file.exists():
+        metadata = _read_metadata(folder)
+        if metadata is None:
             raise NotFoundError(field, f"no checkpoint at {tinker_path!r}")
-        if self._expired(folder):
+        if _is_expired(metadata):
             raise NotFoundError(field, f"checkpoint {tinker_path!r} has expired")
-        return folder, CheckpointMetadata(**json.loads(metadata_file.read_text()))
-
-    @staticmethod
-    def _expired(folder: Path) -> bool:
-        """True when the checkpoint's TTL has passed (an expired name may be reused)."""
-        try:
-            expires_at = json.loads((folder / METADATA_FILE).read_text()).get("expires_at")
-        except (OSError, ValueError):
-            return False
-        return expires_at is not None and expires_at < time.time()
+        return folder, CheckpointMetadata(**metadata)
 
     @contextmanager
     def _staging_folder(self, final: Path, overwrite: bool) -> Iterator[Path]:
-        if final.exists() and not overwrite and not self._expired(final):
+        if final.exists() and not overwrite and not _is_expired(_read_metadata(final)):
             raise InvalidRequestError(
                 "name",
                 f"checkpoint {final.name!r} already exists; pass overwrite=True to replace it",
@@ -144,3 +135,17 @@ class CheckpointStore:
             else:
                 staging.rename(final)
         return self.tinker_path(run_id, kind, name)
+
+
+def _read_metadata(folder: Path) -> dict | None:
+    """The checkpoint's metadata, or None where there is no (readable) checkpoint."""
+    try:
+        return json.loads((folder / METADATA_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _is_expired(metadata: dict | None) -> bool:
+    """True when the checkpoint's TTL has passed (an expired name may be reused)."""
+    expires_at = (metadata or {}).get("expires_at")
+    return expires_at is not None and expires_at < time.time()

@@ -480,17 +480,16 @@ class BackendCore:
     ) -> Future[types.SampleResponse]:
         """Sample `num_samples` continuations of `prompt` from the sampler's weights."""
         try:
-            tokenizer = self.samplers.tokenizer(sampler_id)
-            engine_len = getattr(self.samplers.engine(sampler_id), "max_model_len", None)
+            engine = self.samplers.engine(sampler_id)
             request = to_generation_request(
                 prompt,
                 num_samples,
                 sampling_params,
                 include_prompt_logprobs=include_prompt_logprobs,
                 topk_prompt_logprobs=topk_prompt_logprobs,
-                vocab_size=len(tokenizer),
-                context_length=engine_len or tokenizer.model_max_length,
-                eos_token_id=tokenizer.eos_token_id,
+                vocab_size=engine.vocab_size,
+                context_length=engine.max_model_len,
+                eos_token_id=engine.tokenizer.eos_token_id,
                 config=self.config.sampling,
             )
             result = self.samplers.generate(sampler_id, request)

@@ -19,7 +19,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -198,7 +198,7 @@ class SamplerRegistry:
                 f"but the model has since synced snapshot {slot.version} (full fine-tuning keeps "
                 "one live snapshot per model); get a new sampling client",
             )
-        return slot.engine.generate(_with_adapter(request, binding.adapter))
+        return slot.engine.generate(replace(request, adapter=binding.adapter))
 
     def engine(self, sampler_id: str) -> SamplingEngine:
         return self._engines[self.binding(sampler_id).engine_key].engine
@@ -210,12 +210,6 @@ class SamplerRegistry:
         for slot in list(self._engines.values()):
             slot.engine.shutdown()
         shutil.rmtree(self._scratch, ignore_errors=True)
-
-
-def _with_adapter(request: GenerationRequest, adapter: str | None) -> GenerationRequest:
-    from dataclasses import replace
-
-    return replace(request, adapter=adapter)
 
 
 def _memory_dir() -> str | None:

@@ -45,18 +45,6 @@ def core(tmp_path_factory) -> BackendCore:
 
 
 @pytest.fixture(scope="module")
-def sc(core) -> ServiceClient:
-    return ServiceClient(core=core)
-
-
-@pytest.fixture(scope="module")
-def vocab(tiny_model_dir) -> int:
-    from transformers import AutoConfig
-
-    return int(AutoConfig.from_pretrained(tiny_model_dir).vocab_size)
-
-
-@pytest.fixture(scope="module")
 def other_model_dir(tmp_path_factory, tokenizer):
     """A second tiny Llama: same shapes as `tiny_model_dir`, different random weights."""
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -79,11 +79,6 @@ def core(tmp_path_factory, one_thread) -> BackendCore:
 
 
 @pytest.fixture(scope="module")
-def sc(core) -> ServiceClient:
-    return ServiceClient(core=core)
-
-
-@pytest.fixture(scope="module")
 def base_sampler(sc, tiny_model_dir) -> SamplingClient:
     return sc.create_sampling_client(base_model=str(tiny_model_dir)).result()
 

@@ -49,18 +49,6 @@ def core(tmp_path_factory) -> BackendCore:
     core.shutdown()
 
 
-@pytest.fixture(scope="module")
-def sc(core) -> ServiceClient:
-    return ServiceClient(core=core)
-
-
-@pytest.fixture(scope="module")
-def vocab(tiny_model_dir) -> int:
-    from transformers import AutoConfig
-
-    return int(AutoConfig.from_pretrained(tiny_model_dir).vocab_size)
-
-
 def lora(sc: ServiceClient, model_dir, seed: int = 0, rank: int = 8, **kw) -> TrainingClient:
     return sc.create_lora_training_client(str(model_dir), rank=rank, seed=seed, **kw).result()
 

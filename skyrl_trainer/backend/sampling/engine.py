@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -52,6 +52,10 @@ class GenerationResult:
 
 class SamplingEngine(Protocol):
     """A batched generator over one base model, with swappable weights and LoRA adapters."""
+
+    tokenizer: Any  # the model's tokenizer (decoding stop strings, client get_tokenizer)
+    vocab_size: int  # token ids must be in [0, vocab_size)
+    max_model_len: int  # context length: prompt + generated tokens
 
     def generate(self, request: GenerationRequest) -> Future[GenerationResult]:
         """Queue a request (thread-safe); it is batched with every other request in flight."""
