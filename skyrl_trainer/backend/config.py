@@ -32,7 +32,7 @@ class SamplingConfig:
     """How sampling engines run and what a sample request may ask for."""
 
     engine: str = "auto"
-    """"auto" or "torch" (the PyTorch engine; the vLLM engine is not in this version yet)."""
+    """"vllm", "torch" (the PyTorch engine), or "auto": vLLM when it is installed, else torch."""
     dtype: str = "bfloat16"
     device: str = "auto"
     max_batch_size: int = 128
@@ -43,6 +43,12 @@ class SamplingConfig:
     """Cap on `sampling_params.max_tokens` (also bounded by the context length)."""
     max_lora_snapshots: int = 8
     """LoRA snapshots kept live per model; sessions bound to older ones get a clear error."""
+    max_lora_rank: int = 32
+    """vLLM: the largest LoRA rank it serves (one of 8, 16, 32, 64, 128, 256, 320, 512)."""
+    kv_cache_gib: float | None = None
+    """vLLM: KV-cache size per engine; default 2 GiB on CPU, `gpu_memory_utilization` on GPU."""
+    gpu_memory_utilization: float = 0.5
+    """vLLM on GPU: the share of GPU memory an engine may take (the trainer needs the rest)."""
 
 
 @dataclass

@@ -48,12 +48,25 @@ GAPS: dict[str, float] = {}  # measured learner-vs-sampler gaps, printed at modu
 # Fixtures and helpers
 
 
-def make_core(tmp_path_factory, **sampling) -> BackendCore:
+# Every test runs on both engines: their observable behaviour must be the same. vLLM engines are
+# kept small (a 0.25 GiB KV cache each); one base engine serves the whole module.
+ENGINES = ["torch", pytest.param("vllm", marks=pytest.mark.vllm)]
+ENGINE_SETTINGS = {"torch": {}, "vllm": {"kv_cache_gib": 0.25, "max_lora_rank": 8}}
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def engine(request) -> str:
+    return request.param
+
+
+def make_core(tmp_path_factory, engine: str, **sampling) -> BackendCore:
     return BackendCore(
         BackendConfig(
             storage_dir=str(tmp_path_factory.mktemp("storage")),
             training=TrainingConfig(dtype="float32", device="cpu"),
-            sampling=SamplingConfig(dtype="float32", device="cpu", **sampling),
+            sampling=SamplingConfig(
+                engine=engine, dtype="float32", device="cpu", **ENGINE_SETTINGS[engine], **sampling
+            ),
         )
     )
 
@@ -72,8 +85,8 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def core(tmp_path_factory, one_thread) -> BackendCore:
-    core = make_core(tmp_path_factory)
+def core(tmp_path_factory, one_thread, engine) -> BackendCore:
+    core = make_core(tmp_path_factory, engine)
     yield core
     core.shutdown()
 
@@ -477,8 +490,10 @@ def test_full_old_snapshot_fails_clearly(sc, tiny_model_dir, prompts):
     assert len(greedy(new, ids, 4)) == 4
 
 
-def test_lora_snapshots_beyond_the_limit_fail_clearly(tmp_path_factory, tiny_model_dir, prompts):
-    core = make_core(tmp_path_factory, max_lora_snapshots=2)
+def test_lora_snapshots_beyond_the_limit_fail_clearly(
+    tmp_path_factory, engine, tiny_model_dir, prompts
+):
+    core = make_core(tmp_path_factory, engine, max_lora_snapshots=2)
     try:
         sc = ServiceClient(core=core)
         ids = prompts[0]

@@ -180,7 +180,9 @@ def test_one_request_equals_two_accumulated_requests(sc, core, tiny_model_dir, v
     assert max(float(g.abs().max()) for g in g_one) > 0
     assert_grads_close(g_one, g_two)
 
-    eps = 1e-6  # keep the first Adam step a smooth function of the gradient
+    # A first Adam step is lr * g / (|g| + eps): a large eps keeps it a smooth function of g, so
+    # float noise in g (one request vs two accumulated) stays far below the tolerance.
+    eps = 1e-4
     one.optim_step(adam(LORA_LR, eps=eps)).result()
     two.optim_step(adam(LORA_LR, eps=eps)).result()
     assert_tensors_close(params(core, one), params(core, two), rtol=1e-5, atol=1e-6)
