@@ -117,6 +117,7 @@ def main() -> None:
         distributed_executor_backend="uni",
         generation_config="vllm",
         max_num_seqs=MAX_BATCH,
+        enable_chunked_prefill=torch.cuda.is_available(),  # as our engine (seeded prompts on CPU)
         kv_cache_memory_bytes=int(KV_CACHE_GIB * 2**30),
         seed=0,
     )

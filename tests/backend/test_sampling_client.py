@@ -78,10 +78,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-    if GAPS:
-        print("\nlearner-vs-sampler log-prob gaps:")
-        for key, value in sorted(GAPS.items()):
-            print(f"  {key}: {value:.3e}")
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +85,11 @@ def core(tmp_path_factory, one_thread, engine) -> BackendCore:
     core = make_core(tmp_path_factory, engine)
     yield core
     core.shutdown()
+    if GAPS:  # shown with pytest -s
+        print(f"\nlearner-vs-sampler log-prob gaps, {engine} engine:")
+        for key, value in sorted(GAPS.items()):
+            print(f"  {key}: {value:.3e}")
+        GAPS.clear()
 
 
 @pytest.fixture(scope="module")

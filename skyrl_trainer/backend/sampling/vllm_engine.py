@@ -113,6 +113,9 @@ class VLLMSamplingEngine:
             distributed_executor_backend="uni",
             generation_config="vllm",  # no sampling defaults from the model folder
             max_num_seqs=max_batch_size,
+            # vLLM 0.32 on CPU fails a step that splits a seeded request's prompt across steps
+            # ("CPU Generator does not use offset"): prompts are prefilled whole.
+            enable_chunked_prefill=torch.cuda.is_available(),
             max_model_len=max_model_len,
             seed=seed,
             enable_lora=enable_lora,
