@@ -72,3 +72,10 @@ class BackendConfig:
         if self.storage_dir:
             return Path(self.storage_dir).expanduser()
         return self.resolved_cache_dir() / "storage"
+
+
+def backend_config_from_dict(data: dict | None, field: str = "backend") -> BackendConfig:
+    """A BackendConfig from nested plain values; unknown keys and wrong types are refused by name."""
+    from skyrl_trainer.typed_config import build_config
+
+    return build_config(dict(data or {}), BackendConfig, prefix=field)

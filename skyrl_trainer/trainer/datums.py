@@ -1,0 +1,73 @@
+"""Rollouts and the Tinker datums built from them (ALGORITHMS.md section 1, datum convention)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from tinker import types
+
+
+@dataclass
+class Rollout:
+    """One sampled response to a prompt, with what the learner needs about it."""
+
+    prompt_tokens: list[int]
+    tokens: list[int]  # the response (includes the stop token when it stopped)
+    sampler_logprobs: list[float]  # one per response token
+    stop_reason: str  # "stop" | "length"
+    reward: float = 0.0
+    reward_components: dict[str, float] = field(default_factory=dict)
+    reward_error: str | None = None
+    correct: bool = False
+
+
+def build_rl_datum(
+    rollout: Rollout, advantages: np.ndarray, logprobs: np.ndarray | None = None
+) -> types.Datum:
+    """A datum for the `importance_sampling` / `ppo` / ... losses.
+
+    `model_input = prompt + response[:-1]`, `target_tokens = (prompt + response)[1:]`; prompt
+    positions get advantage 0; `logprobs` (default: the sampler's) and `advantages` are aligned to
+    the targets, so response token j sits at target position len(prompt) - 1 + j.
+    """
+    prompt, response = rollout.prompt_tokens, rollout.tokens
+    if len(advantages) != len(response):
+        raise ValueError(f"{len(advantages)} advantages for {len(response)} response tokens")
+    reference = rollout.sampler_logprobs if logprobs is None else logprobs
+    if len(reference) != len(response):
+        raise ValueError(f"{len(reference)} log-probs for {len(response)} response tokens")
+    pad = [0.0] * (len(prompt) - 1)
+    full = list(prompt) + list(response)
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(full[:-1]),
+        loss_fn_inputs={
+            "target_tokens": types.TensorData(data=full[1:], dtype="int64", shape=[len(full) - 1]),
+            "logprobs": types.TensorData(
+                data=pad + [float(x) for x in reference], dtype="float32", shape=[len(full) - 1]
+            ),
+            "advantages": types.TensorData(
+                data=pad + [float(x) for x in advantages], dtype="float32", shape=[len(full) - 1]
+            ),
+        },
+    )
+
+
+def build_scoring_datum(rollout: Rollout) -> types.Datum:
+    """A cross_entropy datum over prompt + response, for `TrainingClient.forward` (learner
+    log-probs of the response: positions len(prompt) - 1 onwards of its output)."""
+    full = list(rollout.prompt_tokens) + list(rollout.tokens)
+    n = len(full) - 1
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(full[:-1]),
+        loss_fn_inputs={
+            "target_tokens": types.TensorData(data=full[1:], dtype="int64", shape=[n]),
+            "weights": types.TensorData(data=[0.0] * n, dtype="float32", shape=[n]),
+        },
+    )
+
+
+def response_logprobs(rollout: Rollout, output_logprobs: list[float]) -> np.ndarray:
+    """The response part of a learner `logprobs` output for a datum of `rollout`."""
+    start = len(rollout.prompt_tokens) - 1
+    return np.asarray(output_logprobs[start : start + len(rollout.tokens)], dtype=np.float64)
