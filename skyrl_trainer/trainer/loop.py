@@ -97,7 +97,9 @@ class RLTrainer:
             self.start_step = resume.step
         self.reference = None
         if cfg.algorithm.kl_coef > 0:
-            self.reference = service.create_sampling_client(base_model=cfg.model.base_model)
+            self.reference = service.create_sampling_client(
+                base_model=cfg.model.base_model
+            ).result()
         self._prompt_cache: dict[int, list[int]] = {}
 
     # ----- setup -------------------------------------------------------------------------
@@ -129,7 +131,7 @@ class RLTrainer:
         if resume is not None:
             return self.service.create_training_client_from_state_with_optimizer(
                 resume.training_path
-            )
+            ).result()
         if m.lora_rank == 0:
             if not hasattr(self.service, "create_full_training_client"):
                 raise ConfigError("model.lora_rank: 0 (full fine-tuning) needs backend.kind=local")
@@ -301,7 +303,7 @@ class RLTrainer:
         """Run (0-based) step `step`; returns its metrics."""
         timings = dict.fromkeys(("weight_sync", "sample", "reward", "train", "eval"), 0.0)
         start = time.monotonic()
-        sampler = self.training.save_weights_and_get_sampling_client()
+        sampler = self.training.save_weights_and_get_sampling_client().result()
         timings["weight_sync"] = time.monotonic() - start
         groups, stats = self._collect_groups(sampler, step, timings)
         metrics = self._rollout_metrics(stats)
@@ -360,7 +362,7 @@ class RLTrainer:
 
     def evaluate(self, sampler=None) -> dict[str, float]:
         cfg = self.cfg
-        sampler = sampler or self.training.save_weights_and_get_sampling_client()
+        sampler = sampler or self.training.save_weights_and_get_sampling_client().result()
         return evaluate(
             sampler,
             self.eval_problems,

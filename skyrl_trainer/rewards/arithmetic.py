@@ -1,0 +1,37 @@
+"""The arithmetic reward, for generated "What is 23 + 45?" tasks whose answer is a number."""
+
+from __future__ import annotations
+
+import re
+
+from skyrl_trainer.rewards.math_answers import extract_boxed, numbers_equal, parse_number
+from skyrl_trainer.rewards.registry import register_reward
+
+# A number in running text. Commas count only as thousands separators ("1,234"), so a list
+# "1,2,3" is three numbers. A "-" is a sign only where it cannot be a binary minus (not right
+# after a word character or a closing bracket), so "45-23" ends in 23, not -23.
+_NUMBER_IN_TEXT_RE = re.compile(r"(?:(?<![\w)\]])-)?\d+(?:,\d{3}(?!\d))*(?:\.\d+)?")
+
+
+@register_reward("arithmetic")
+def arithmetic_reward(response: str, sample: dict) -> float:
+    """1.0 if the response's answer equals `sample["answer"]` numerically, else 0.0.
+
+    The response's answer is the content of its last closed `\\boxed{}` (read with
+    `parse_number`), else the last number in the text (`-7`, `1,234`, `2.5`). Never raises on
+    any response; raises ValueError for a sample whose `answer` is missing or not a number.
+    """
+    if not isinstance(sample, dict) or "answer" not in sample:
+        raise ValueError("arithmetic reward: the sample has no 'answer' field")
+    truth = parse_number(str(sample["answer"]))
+    if truth is None:
+        raise ValueError(f"arithmetic reward: answer {sample['answer']!r} is not a number")
+    if not isinstance(response, str):
+        return 0.0
+    boxed = extract_boxed(response)
+    if boxed is not None:
+        answer = parse_number(boxed)
+    else:
+        numbers = _NUMBER_IN_TEXT_RE.findall(response)
+        answer = parse_number(numbers[-1]) if numbers else None
+    return 1.0 if numbers_equal(answer, truth) else 0.0
