@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import re
-
-from skyrl_trainer.rewards.math_answers import extract_boxed, numbers_equal, parse_number
+from skyrl_trainer.rewards.math_answers import (
+    extract_boxed,
+    last_number_in_text,
+    numbers_equal,
+    parse_number,
+)
 from skyrl_trainer.rewards.registry import register_reward
-
-# A number in running text. Commas count only as thousands separators ("1,234"), so a list
-# "1,2,3" is three numbers. A "-" is a sign only where it cannot be a binary minus (not right
-# after a word character or a closing bracket), so "45-23" ends in 23, not -23.
-_NUMBER_IN_TEXT_RE = re.compile(r"(?:(?<![\w)\]])-)?\d+(?:,\d{3}(?!\d))*(?:\.\d+)?")
 
 
 @register_reward("arithmetic")
@@ -32,6 +30,5 @@ def arithmetic_reward(response: str, sample: dict) -> float:
     if boxed is not None:
         answer = parse_number(boxed)
     else:
-        numbers = _NUMBER_IN_TEXT_RE.findall(response)
-        answer = parse_number(numbers[-1]) if numbers else None
+        answer = last_number_in_text(response)
     return 1.0 if numbers_equal(answer, truth) else 0.0

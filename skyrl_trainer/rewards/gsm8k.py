@@ -5,6 +5,7 @@ from __future__ import annotations
 from skyrl_trainer.rewards.math_answers import (
     extract_boxed,
     extract_hash_answer,
+    last_number_in_text,
     numbers_equal,
     parse_number,
 )
@@ -32,6 +33,18 @@ def gsm8k_reward(response: str, sample: dict) -> float:
             return 0.0
         answer = hashed.split("\n", 1)[0]
     return 1.0 if numbers_equal(parse_number(answer), truth) else 0.0
+
+
+@register_reward("gsm8k_flexible")
+def gsm8k_flexible_reward(response: str, sample: dict) -> float:
+    """Like `gsm8k`, but a response with neither `\\boxed{}` nor `####` is read by its last
+    number (lm-eval's "flexible extract"): a learning signal for small models that do not yet
+    follow the answer format. Use the strict `gsm8k` to report accuracy comparable to SkyRL's."""
+    if gsm8k_reward(response, sample) == 1.0:
+        return 1.0
+    if not isinstance(response, str) or extract_boxed(response) or extract_hash_answer(response):
+        return 0.0
+    return 1.0 if numbers_equal(last_number_in_text(response), _ground_truth(sample)) else 0.0
 
 
 def _ground_truth(sample: dict) -> float:

@@ -125,3 +125,15 @@ def numbers_equal(a: float | None, b: float | None) -> bool:
 
 def _decimal(text: str) -> float:
     return float(text.replace(",", "").replace(" ", ""))
+
+
+# A number in running text. Commas count only as thousands separators ("1,234"), so a list
+# "1,2,3" is three numbers. A "-" is a sign only where it cannot be a binary minus (not right
+# after a word character or a closing bracket), so "45-23" ends in 23, not -23.
+_NUMBER_IN_TEXT_RE = re.compile(r"(?:(?<![\w)\]])-)?\d+(?:,\d{3}(?!\d))*(?:\.\d+)?")
+
+
+def last_number_in_text(text: str) -> float | None:
+    """The last number written in `text` (`-7`, `1,234`, `2.5`), or None."""
+    numbers = _NUMBER_IN_TEXT_RE.findall(text)
+    return parse_number(numbers[-1]) if numbers else None

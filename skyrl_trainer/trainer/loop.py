@@ -307,6 +307,7 @@ class RLTrainer:
         timings["weight_sync"] = time.monotonic() - start
         groups, stats = self._collect_groups(sampler, step, timings)
         metrics = self._rollout_metrics(stats)
+        self._print_samples(stats["all"])
         rollouts = [r for g in groups for r in g.rollouts]
         t0 = time.monotonic()
         if rollouts:
@@ -328,6 +329,14 @@ class RLTrainer:
         if rollouts:
             metrics["throughput/tokens_per_s"] = metrics["train/tokens"] / elapsed
         return metrics
+
+    def _print_samples(self, groups: list[Group]) -> None:
+        """`logging.print_samples` decoded responses with their rewards, for a look at the text."""
+        rollouts = [(g, r) for g in groups for r in g.rollouts][: self.cfg.logging.print_samples]
+        for group, rollout in rollouts:
+            text = self._decode(rollout.tokens).replace("\n", "\\n")
+            answer = group.problem.sample.get("answer")
+            print(f"  [reward {rollout.reward:.2f} | answer {answer}] {text[:400]}", flush=True)
 
     def _rollout_metrics(self, stats) -> dict[str, float]:
         everything = [r for g in stats["all"] for r in g.rollouts]

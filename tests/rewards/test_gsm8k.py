@@ -84,3 +84,19 @@ def test_gsm8k_never_raises_on_non_string_response():
 def test_gsm8k_bad_ground_truth_is_a_clear_error(sample):
     with pytest.raises(ValueError, match="gsm8k reward"):
         gsm8k_reward("#### 1", sample)
+
+
+@pytest.mark.parametrize(
+    ("response", "expected"),
+    [
+        ("So she pays 18 dollars in total.", 1.0),  # no format: the last number
+        ("18 apples, then 3 more: 21", 0.0),
+        ("#### 21\nthough really 18", 0.0),  # a format answer is taken as given
+        ("\\boxed{18}", 1.0),
+        ("no numbers at all", 0.0),
+    ],
+)
+def test_gsm8k_flexible_reads_the_last_number_without_a_format(response, expected):
+    from skyrl_trainer.rewards.gsm8k import gsm8k_flexible_reward
+
+    assert gsm8k_flexible_reward(response, {"answer": "She pays 18.\n#### 18"}) == expected

@@ -102,7 +102,7 @@ def _error(spec: str) -> str:
 def test_unknown_name_lists_registered_ones():
     message = _error("gsm9k")
     assert "not a registered reward" in message
-    assert "arithmetic, gsm8k, math" in message
+    assert "arithmetic, gsm8k, gsm8k_flexible, math" in message
     assert "module.path:function" in message
 
 

@@ -132,3 +132,31 @@ def test_interrupted_and_resumed_run_equals_uninterrupted(tmp_path, tiny_model_d
         assert comparable(a).keys() == comparable(b).keys()
         for key, value in comparable(a).items():
             assert b[key] == pytest.approx(value, rel=1e-6, abs=1e-7), key
+
+
+def test_kl_tis_dynamic_sampling_and_overlong_filter(tmp_path, tiny_model_dir, reward_module):
+    cfg = make_config(
+        tmp_path,
+        tiny_model_dir,
+        reward_module,
+        steps=2,
+        **{
+            "eval.every": 0,
+            "checkpoint.every": 0,
+            "algorithm.kl_coef": 0.1,
+            "algorithm.tis_cap": 2.0,
+            "algorithm.dynamic_sampling": True,
+            "algorithm.overlong_filter": True,
+            "algorithm.loss_fn": "ppo",
+            "algorithm.loss_reduction": "sequence_mean",
+            "algorithm.advantage_estimator": "rloo",
+        },
+    )
+    history = RLTrainer(cfg, make_service(tmp_path)).run()
+    for metrics in history:
+        # The policy starts at the base weights: KL ~ 0 at step 1; fp32 learner == sampler: TIS
+        # weights are 1 (capped ratios of identical log-probs).
+        assert metrics["tis/weight_mean"] == pytest.approx(1.0, abs=1e-4)
+        assert metrics["kl/mean"] >= 0.0
+        assert metrics["train/sequences"] % 4 == 0  # whole groups only
+    assert history[0]["kl/mean"] == pytest.approx(0.0, abs=1e-4)
