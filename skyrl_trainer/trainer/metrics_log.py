@@ -54,8 +54,13 @@ class MetricsLogger:
                 project=wandb_project, mode=wandb_mode, config=run_config, dir=str(output_dir)
             )
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
-
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as exc:
+                raise ValueError(
+                    "logging.tensorboard: needs the `tensorboard` package "
+                    "(.venv/bin/pip install tensorboard), or set logging.tensorboard=false"
+                ) from exc
             self._tb = SummaryWriter(log_dir=str(Path(output_dir) / "tensorboard"))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
