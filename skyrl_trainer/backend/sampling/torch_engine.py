@@ -29,30 +29,19 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from skyrl_trainer.backend.model_loading import load_causal_lm, load_tokenizer, parse_dtype
 from skyrl_trainer.backend.sampling.engine import GenerationRequest, GenerationResult
+from skyrl_trainer.backend.sampling.engine_control import EngineControl
 from skyrl_trainer.backend.sampling.kv_cache import SLOT_ATTENTION
 from skyrl_trainer.backend.sampling.torch_batch import BatchRunner, EngineStats, RowGroup, fail
 from skyrl_trainer.backend.sampling.torch_requests import Pending, plan_prefill, validate_request
 from skyrl_trainer.backend.sampling.torch_weights import AdapterSet, WeightTable
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Control:
-    """A model change run by the loop thread between forwards (see the module docstring)."""
-
-    fn: Callable[[], object]
-    # Given the requests taken before it in this pass: must it wait until nothing is in flight?
-    # (It then waits at the head of the queue, and the requests behind it wait too.)
-    must_wait: Callable[[list], bool]
-    future: Future = field(default_factory=Future)
 
 
 class TorchSamplingEngine:
@@ -112,7 +101,7 @@ class TorchSamplingEngine:
         )
         self.vocab_size = self.runner.vocab_size
         self._groups: dict[str | None, RowGroup] = {}
-        self._queue: deque[Pending | _Control] = deque()
+        self._queue: deque[Pending | EngineControl] = deque()
         self._cond = threading.Condition()
         self._stopping = False
         self._busy_since: float | None = None
@@ -173,7 +162,7 @@ class TorchSamplingEngine:
             self._thread.join()
 
     def _control(self, fn: Callable[[], object], must_wait: Callable[[list], bool]) -> None:
-        control = _Control(fn, must_wait)
+        control = EngineControl(fn, must_wait)
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the sampling engine is shut down")
@@ -210,7 +199,7 @@ class TorchSamplingEngine:
     def _num_rows(self) -> int:
         return sum(len(g.rows) for g in self._groups.values())
 
-    def _next_items(self) -> list[Pending | _Control] | None:
+    def _next_items(self) -> list[Pending | EngineControl] | None:
         """What to admit this iteration; waits while idle. None: shut down."""
         with self._cond:
             idle = self._num_rows() == 0
@@ -223,11 +212,11 @@ class TorchSamplingEngine:
         with self._cond:
             if self._stopping:
                 return None
-            items: list[Pending | _Control] = []
+            items: list[Pending | EngineControl] = []
             rows = self._num_rows()
             while self._queue:
                 item = self._queue[0]
-                if isinstance(item, _Control):
+                if isinstance(item, EngineControl):
                     if (rows or items) and item.must_wait(items):
                         break
                 elif rows and rows + item.num_rows > self.max_batch_size:
@@ -237,11 +226,11 @@ class TorchSamplingEngine:
                 items.append(self._queue.popleft())
             return items
 
-    def _process(self, items: list[Pending | _Control]) -> None:
+    def _process(self, items: list[Pending | EngineControl]) -> None:
         """Admit requests and run controls, in queue order."""
         batch: list[Pending] = []
         for item in items:
-            if isinstance(item, _Control):
+            if isinstance(item, EngineControl):
                 self._admit(batch)
                 batch = []
                 self._run_control(item)
@@ -249,12 +238,10 @@ class TorchSamplingEngine:
                 batch.append(item)
         self._admit(batch)
 
-    def _run_control(self, control: _Control) -> None:
-        try:
-            with torch.inference_mode(False), torch.no_grad():
-                control.future.set_result(control.fn())
-        except Exception as exc:
-            control.future.set_exception(exc)
+    def _run_control(self, control: EngineControl) -> None:
+        # Weight copies need tensors outside inference mode (they outlive this step).
+        with torch.inference_mode(False), torch.no_grad():
+            control.run()
 
     def _admit(self, pendings: list[Pending]) -> None:
         by_adapter: dict[str | None, list[Pending]] = {}
@@ -305,7 +292,7 @@ class TorchSamplingEngine:
                 fail(row.pending, exc, self.stats)
         self._groups.clear()
         for item in queued:
-            if isinstance(item, _Control):
+            if isinstance(item, EngineControl):
                 item.future.set_exception(exc)
             else:
                 fail(item, exc, self.stats)

@@ -24,7 +24,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,6 +32,7 @@ import torch
 from skyrl_trainer.backend.errors import InvalidRequestError, NotFoundError
 from skyrl_trainer.backend.model_loading import load_tokenizer, parse_dtype
 from skyrl_trainer.backend.sampling.engine import GenerationRequest, GenerationResult
+from skyrl_trainer.backend.sampling.engine_control import EngineControl
 from skyrl_trainer.backend.sampling.torch_requests import validate_request
 from skyrl_trainer.backend.sampling.torch_weights import WeightTable
 from skyrl_trainer.backend.sampling.vllm_requests import (
@@ -59,15 +60,6 @@ def vllm_available() -> bool:
 class _Queued:
     request: GenerationRequest
     future: Future
-
-
-@dataclass
-class _Control:
-    """A model change run by the engine thread between steps."""
-
-    fn: Callable[[], object]
-    must_drain: Callable[[set], bool]  # given the adapters in flight: wait for them to finish?
-    future: Future = field(default_factory=Future)
 
 
 class VLLMSamplingEngine:
@@ -130,7 +122,7 @@ class VLLMSamplingEngine:
         if torch.cuda.is_available():
             self._llm_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
 
-        self._queue: deque[_Queued | _Control] = deque()
+        self._queue: deque[_Queued | EngineControl] = deque()
         self._cond = threading.Condition()
         self._stopping = False
         self._in_flight: dict[str, _Queued] = {}
@@ -183,7 +175,7 @@ class VLLMSamplingEngine:
             if output_name not in named and input_name in named:
                 named[output_name] = named[input_name]
         weights = [(name, t.detach().to(self.dtype)) for name, t in named.items()]
-        self._control(lambda: self._reload_weights(weights), must_drain=lambda adapters: True)
+        self._control(lambda: self._reload_weights(weights), must_wait=lambda adapters: True)
 
     def add_lora(self, name: str, adapter_dir: str) -> None:
         rank = _adapter_rank(adapter_dir)
@@ -202,12 +194,12 @@ class VLLMSamplingEngine:
         shutil.copytree(adapter_dir, folder)
         # A new name changes nothing in flight; replacing one waits for the rows using it.
         self._control(
-            lambda: self._load_adapter(name, folder), must_drain=lambda adapters: name in adapters
+            lambda: self._load_adapter(name, folder), must_wait=lambda adapters: name in adapters
         )
 
     def remove_lora(self, name: str) -> None:
         self._control(
-            lambda: self._unload_adapter(name), must_drain=lambda adapters: name in adapters
+            lambda: self._unload_adapter(name), must_wait=lambda adapters: name in adapters
         )
 
     def shutdown(self) -> None:
@@ -218,8 +210,8 @@ class VLLMSamplingEngine:
             self._thread.join()
         shutil.rmtree(self._adapter_dirs, ignore_errors=True)
 
-    def _control(self, fn: Callable[[], object], must_drain: Callable[[set], bool]) -> None:
-        control = _Control(fn, must_drain)
+    def _control(self, fn: Callable[[], object], must_wait: Callable[[set], bool]) -> None:
+        control = EngineControl(fn, must_wait)
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the sampling engine is shut down")
@@ -241,9 +233,9 @@ class VLLMSamplingEngine:
         try:
             while (items := self._next_items()) is not None:
                 for item in items:
-                    if isinstance(item, _Control):
+                    if isinstance(item, EngineControl):
                         with _VLLM_LOCK:
-                            _run_control(item)
+                            item.run()
                     else:
                         self._add(item)
                 if self._in_flight:
@@ -277,22 +269,22 @@ class VLLMSamplingEngine:
         such a request is admitted only when nothing is in flight, and alone."""
         return self.enable_lora and wants_prompt_logprobs(queued.request)
 
-    def _next_items(self) -> list[_Queued | _Control] | None:
+    def _next_items(self) -> list[_Queued | EngineControl] | None:
         """Everything queued up to the first item that must wait; blocks while idle."""
         with self._cond:
             while not self._stopping and not self._queue and not self._in_flight:
                 self._cond.wait()
             if self._stopping:
                 return None
-            items: list[_Queued | _Control] = []
+            items: list[_Queued | EngineControl] = []
             if any(self._runs_alone(q) for q in self._in_flight.values()):
                 return items
             adapters = {q.request.adapter for q in self._in_flight.values()}
             while self._queue:
                 item = self._queue[0]
-                if isinstance(item, _Control):
+                if isinstance(item, EngineControl):
                     busy = adapters | {q.request.adapter for q in items if isinstance(q, _Queued)}
-                    if (self._in_flight or items) and item.must_drain(busy):
+                    if (self._in_flight or items) and item.must_wait(busy):
                         break
                 elif self._runs_alone(item):
                     if not (self._in_flight or items):
@@ -416,13 +408,6 @@ def _shutdown_vllm(llm) -> None:
             logger.exception("vLLM shutdown failed")
         finally:
             vllm_core.cleanup_dist_env_and_memory = cleanup
-
-
-def _run_control(control: _Control) -> None:
-    try:
-        control.future.set_result(control.fn())
-    except Exception as exc:
-        control.future.set_exception(exc)
 
 
 def _weight_table(model_dir: Path) -> WeightTable:
