@@ -159,6 +159,7 @@ def _at_least(path: str, value, low) -> None:
 def validate_config(cfg: TrainerConfig) -> None:
     """Refuse values the run cannot use, before anything starts (registries must already hold
     the plugins' entries)."""
+    from skyrl_trainer.data.tasks import TASK_FORMATS
     from skyrl_trainer.trainer.advantages import ADVANTAGE_ESTIMATORS
     from skyrl_trainer.trainer.kl import KL_ESTIMATORS
     from skyrl_trainer.trainer.reductions import LOSS_REDUCTIONS
@@ -173,6 +174,7 @@ def validate_config(cfg: TrainerConfig) -> None:
                 "Tinker services train LoRA adapters only: set a rank (e.g. 32)"
             )
     _at_least("model.lora_rank", cfg.model.lora_rank, 0)
+    _choice("data.format", cfg.data.format, TASK_FORMATS)
     _at_least("steps", cfg.steps, 1)
     a = cfg.algorithm
     _choice("algorithm.advantage_estimator", a.advantage_estimator, ADVANTAGE_ESTIMATORS)

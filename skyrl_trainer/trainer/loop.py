@@ -23,7 +23,7 @@ from skyrl_trainer.data import (
     load_rows,
     render_prompt,
 )
-from skyrl_trainer.data.tasks import TASK_FORMATS
+from skyrl_trainer.data.tasks import build_problems
 from skyrl_trainer.rewards import RewardRunner, get_reward_fn
 from skyrl_trainer.trainer.advantages import EstimatorSettings, compute_advantages, is_zero_variance
 from skyrl_trainer.trainer.checkpointing import LoopState, latest_loop_state, save_loop_state
@@ -107,8 +107,6 @@ class RLTrainer:
     def _load_problems(self):
         d = self.cfg.data
         task = TaskConfig(format=d.format, system_prompt=d.system_prompt, instruction=d.instruction)
-        if d.format not in TASK_FORMATS:
-            raise ConfigError(f"data.format: {d.format!r} is not one of {sorted(TASK_FORMATS)}")
         if d.format == "arithmetic":
             train_rows = generate_arithmetic_rows(d.arithmetic_rows, seed=self.cfg.seed)
             eval_rows = generate_arithmetic_rows(self.cfg.eval.num_prompts, seed=self.cfg.seed + 1)
@@ -121,9 +119,8 @@ class RLTrainer:
                 eval_rows = load_rows(eval_path, d.eval_split, field="data.eval_path")
         if d.max_train_rows:
             train_rows = train_rows[: d.max_train_rows]
-        to_problem = TASK_FORMATS[d.format]
-        problems = [to_problem(row, task) for row in train_rows]
-        eval_problems = [to_problem(row, task) for row in eval_rows[: self.cfg.eval.num_prompts]]
+        problems = build_problems(train_rows, task)
+        eval_problems = build_problems(eval_rows[: self.cfg.eval.num_prompts], task)
         return problems, eval_problems
 
     def _training_client(self, resume: LoopState | None):

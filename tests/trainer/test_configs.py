@@ -87,6 +87,7 @@ def test_overrides_reach_the_config():
         ("sampling.temperature=-1", "sampling.temperature"),
         ("checkpoint.resume=maybe", "checkpoint.resume"),
         ("backend.kind=cloud", "backend.kind"),
+        ("data.format=poetry", "data.format: 'poetry' is not one of"),
         ("algorithm.num_mini_batches=1000", "algorithm.num_mini_batches"),
     ],
 )
