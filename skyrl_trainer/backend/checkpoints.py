@@ -68,8 +68,9 @@ class CheckpointStore:
     def folder(self, run_id: str, kind: str, name: str) -> Path:
         return self.root / run_id / KIND_DIRS[kind] / name
 
-    def resolve(self, tinker_path: object, field: str = "path") -> tuple[Path, CheckpointMetadata]:
-        """The folder and metadata of an existing checkpoint; clear errors otherwise."""
+    def folder_of(self, tinker_path: object, field: str = "path") -> Path:
+        """The folder a checkpoint path names (whether or not it exists); paths that could
+        leave the storage root are refused."""
         if not isinstance(tinker_path, str):
             raise InvalidRequestError(
                 field, f"must be a tinker:// path string, got {tinker_path!r}"
@@ -88,13 +89,28 @@ class CheckpointStore:
         check_checkpoint_name(name, field)
         if parsed.training_run_id in ("", ".", "..") or parsed.training_run_id.startswith("."):
             raise InvalidRequestError(field, f"invalid run id in {tinker_path!r}")
-        folder = self.folder(parsed.training_run_id, parsed.checkpoint_type, name)
+        return self.folder(parsed.training_run_id, parsed.checkpoint_type, name)
+
+    def resolve(self, tinker_path: object, field: str = "path") -> tuple[Path, CheckpointMetadata]:
+        """The folder and metadata of an existing checkpoint; clear errors otherwise."""
+        folder = self.folder_of(tinker_path, field)
         metadata = _read_metadata(folder)
         if metadata is None:
             raise NotFoundError(field, f"no checkpoint at {tinker_path!r}")
         if _is_expired(metadata):
             raise NotFoundError(field, f"checkpoint {tinker_path!r} has expired")
         return folder, CheckpointMetadata(**metadata)
+
+    def delete(self, tinker_path: str) -> bool:
+        """Remove a checkpoint (renamed aside first, so a half-deleted folder never loads).
+        False when there was none."""
+        folder = self.folder_of(tinker_path)
+        if not folder.exists():
+            return False
+        trash = folder.parent / f".{folder.name}.deleted-{uuid.uuid4().hex[:8]}"
+        folder.rename(trash)
+        shutil.rmtree(trash, ignore_errors=True)
+        return True
 
     @contextmanager
     def _staging_folder(self, final: Path, overwrite: bool) -> Iterator[Path]:

@@ -97,10 +97,14 @@ class BackendCore:
 
     # ----- sessions and lookup ------------------------------------------------------------
 
-    def create_session(self, user_metadata: dict[str, str] | None = None) -> str:
-        session_id = uuid.uuid4().hex[:16]
+    def create_session(
+        self, user_metadata: dict[str, str] | None = None, session_id: str | None = None
+    ) -> str:
+        """A new session; with `session_id`, that id (kept if it exists: the HTTP server
+        re-attaches sessions it persisted)."""
+        session_id = session_id or uuid.uuid4().hex[:16]
         with self._lock:
-            self._sessions[session_id] = _Session(session_id, user_metadata)
+            self._sessions.setdefault(session_id, _Session(session_id, user_metadata))
         return session_id
 
     def close_session(self, session_id: str, status: str, detail: str | None = None) -> None:

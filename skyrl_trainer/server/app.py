@@ -1,0 +1,92 @@
+"""The FastAPI application: the backend core behind the Tinker HTTP protocol.
+
+`create_app` wires the routes to one `BackendCore` (the same core the in-process clients
+use), the SQLite database and the future tracker. On start-up, futures left pending by a
+previous process are failed (they can never complete); a housekeeping task removes expired
+checkpoints and old results.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from skyrl_trainer.backend.core import BackendCore
+from skyrl_trainer.server import (
+    checkpoint_routes,
+    sampling_routes,
+    service_routes,
+    training_routes,
+)
+from skyrl_trainer.server.config import ServerConfig
+from skyrl_trainer.server.database import ServerDatabase
+from skyrl_trainer.server.future_tracker import FutureTracker
+from skyrl_trainer.server.http_errors import install_error_handlers
+from skyrl_trainer.server.sequencer import Sequencer
+from skyrl_trainer.server.state import ServerState
+
+logger = logging.getLogger(__name__)
+
+_RESTARTED = json.dumps(
+    {"error": "the server restarted before this request finished; send it again",
+     "category": "server"}
+).encode()  # fmt: skip
+
+
+def housekeeping(state: ServerState) -> None:
+    """Remove expired checkpoints and results older than the retention period."""
+    removed = checkpoint_routes.remove_expired_checkpoints(state)
+    purged = state.db.purge_futures(time.time() - state.config.future_retention_s)
+    if removed or purged:
+        logger.info("housekeeping: %d expired checkpoints, %d old results removed", removed, purged)
+
+
+async def _housekeeping_loop(state: ServerState) -> None:
+    while True:
+        try:
+            await asyncio.to_thread(housekeeping, state)
+        except Exception:
+            logger.exception("housekeeping failed")
+        await asyncio.sleep(state.config.housekeeping_interval_s)
+
+
+def create_app(config: ServerConfig, core: BackendCore | None = None) -> FastAPI:
+    """The server application. `core` defaults to a new backend from `config.backend`."""
+    config.validate()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        db = ServerDatabase(config.database_path())
+        stale = db.fail_pending_futures(_RESTARTED)
+        if stale:
+            logger.warning("%d requests of a previous server process were failed", stale)
+        backend = core if core is not None else BackendCore(config.backend)
+        state = ServerState(
+            config=config,
+            core=backend,
+            db=db,
+            tracker=FutureTracker(db, asyncio.get_running_loop()),
+            sequencer=Sequencer(config.sequencer_gap_timeout_s),
+        )
+        app.state.server = state
+        task = asyncio.create_task(_housekeeping_loop(state))
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            if core is None:
+                await asyncio.to_thread(backend.shutdown)
+
+    app = FastAPI(title="skyrl-trainer Tinker-compatible server", lifespan=lifespan)
+    install_error_handlers(app)
+    for module in (service_routes, training_routes, sampling_routes, checkpoint_routes):
+        app.include_router(module.router)
+    return app

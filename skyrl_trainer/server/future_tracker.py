@@ -1,0 +1,98 @@
+"""Requests in flight: each gets a request id at once; its result lands in the database.
+
+A backend `concurrent.futures.Future` is attached to a request id. When it finishes (on a
+worker thread) its result is encoded (protobuf or JSON) and stored; pollers waiting in
+`retrieve_future` on the event loop are woken. Results stay in the database, so any poller
+(another connection, a retry after a dropped connection) reads the same answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from skyrl_trainer.backend.errors import InvalidRequestError
+from skyrl_trainer.server.database import COMPLETE, FAILED, ServerDatabase
+
+logger = logging.getLogger(__name__)
+
+JSON = "application/json"
+PROTOBUF = "application/x-protobuf"
+Encoder = Callable[[Any], tuple[str, bytes]]
+
+
+def json_result(value: Any) -> tuple[str, bytes]:
+    """A pydantic response (or a plain dict) as the JSON body the SDK validates."""
+    body = value.model_dump(mode="json") if hasattr(value, "model_dump") else value
+    return JSON, json.dumps(body).encode()
+
+
+def error_payload(exc: BaseException) -> bytes:
+    """The SDK's RequestFailedResponse: a message and whose fault it was."""
+    if isinstance(exc, InvalidRequestError):
+        return json.dumps({"error": str(exc), "category": "user"}).encode()
+    return json.dumps({"error": f"{type(exc).__name__}: {exc}", "category": "server"}).encode()
+
+
+class FutureTracker:
+    """Maps request ids to results in the database and wakes the pollers waiting for them."""
+
+    def __init__(self, db: ServerDatabase, loop: asyncio.AbstractEventLoop):
+        self.db = db
+        self.loop = loop
+        self._events: dict[str, asyncio.Event] = {}
+
+    def register(self, owner: str, request_type: str, model_id: str | None = None) -> str:
+        request_id = uuid.uuid4().hex
+        self.db.add_future(request_id, owner, request_type, model_id)
+        return request_id
+
+    def attach(self, request_id: str, future: Future, encode: Encoder) -> None:
+        """Store `future`'s outcome under `request_id` when it finishes."""
+        future.add_done_callback(lambda done: self._finish(request_id, done, encode))
+
+    def fail(self, request_id: str, exc: BaseException) -> None:
+        self.db.finish_future(request_id, FAILED, JSON, error_payload(exc))
+        self.loop.call_soon_threadsafe(self._wake, request_id)
+
+    def _finish(self, request_id: str, done: Future, encode: Encoder) -> None:
+        try:
+            content_type, payload = encode(done.result())
+            status = COMPLETE
+        except BaseException as exc:
+            if not isinstance(exc, InvalidRequestError):
+                logger.exception("request %s failed", request_id)
+            content_type, payload, status = JSON, error_payload(exc), FAILED
+        try:
+            self.db.finish_future(request_id, status, content_type, payload)
+        except Exception:
+            logger.exception("could not store the result of request %s", request_id)
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._wake, request_id)
+
+    def _wake(self, request_id: str) -> None:
+        event = self._events.pop(request_id, None)
+        if event is not None:
+            event.set()
+
+    async def wait(self, request_id: str, timeout: float) -> dict | None:
+        """The future's row once it is finished, or its pending row after `timeout` seconds.
+
+        The event is created before the database is read, on this (the loop's) thread, so a
+        completion between the read and the wait still wakes us.
+        """
+        event = self._events.setdefault(request_id, asyncio.Event())
+        row = self.db.future(request_id)
+        if row is None or row["status"] != "pending":
+            return row
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except TimeoutError:
+            if self._events.get(request_id) is event:
+                del self._events[request_id]
+        return self.db.future(request_id)
