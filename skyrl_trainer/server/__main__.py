@@ -48,6 +48,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str]:
     p.add_argument("--max-num-samples", type=int, default=limits.max_num_samples)
     p.add_argument("--max-tokens", type=int, default=limits.max_tokens)
     p.add_argument("--max-pending-futures", type=int, default=limits.max_pending_futures)
+    p.add_argument(
+        "--housekeeping-interval",
+        type=float,
+        default=defaults.housekeeping_interval_s,
+        help="seconds between removals of expired checkpoints and old results",
+    )
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
     keys = list(args.api_keys)
@@ -70,6 +76,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str]:
         port=args.port,
         api_keys=[k.strip() for k in keys],
         allow_unauthenticated_remote=args.allow_unauthenticated_remote,
+        housekeeping_interval_s=args.housekeeping_interval,
         database=args.database,
         limits=ServerLimits(
             max_request_bytes=args.max_request_bytes,

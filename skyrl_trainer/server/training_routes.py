@@ -136,7 +136,9 @@ async def optim_step(request: Request, owner: str = Depends(authenticate)):
     body = await state.parse(request, types.OptimStepRequest)
     state.model(owner, body.model_id)
     if not isinstance(body.optim_params, types.AdamParams):
-        raise ApiError(400, "optimizer_params", "only AdamW (adam_params) is supported")
+        raise ApiError(
+            400, "optimizer_params", "this optimizer is not supported; the server trains with AdamW"
+        )
 
     def respond() -> dict:
         request_id = state.start(
