@@ -41,6 +41,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str]:
     p.add_argument("--storage-dir", help="where checkpoints live")
     p.add_argument("--database", help="SQLite file (default <storage-dir>/server.sqlite3)")
     p.add_argument("--sampling-engine", default="auto", choices=["auto", "vllm", "torch"])
+    p.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=SamplingConfig.max_batch_size,
+        help="most sequences an engine decodes at once",
+    )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--max-request-bytes", type=int, default=limits.max_request_bytes)
@@ -67,6 +73,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str]:
             device=args.device,
             max_num_samples=args.max_num_samples,
             max_tokens=args.max_tokens,
+            max_batch_size=args.max_batch_size,
         ),
     )
     if args.base_models:
