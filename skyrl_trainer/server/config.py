@@ -70,6 +70,8 @@ class ServerConfig:
                 "configured; pass --api-key (or SKYRL_SERVER_API_KEYS), bind 127.0.0.1, or pass "
                 "--allow-unauthenticated-remote"
             )
+        if self.housekeeping_interval_s <= 0:
+            raise ValueError("housekeeping_interval_s must be positive")
         if not 0 < self.retrieve_wait_s < 40:
             raise ValueError("retrieve_wait_s must be in (0, 40): the SDK times out at 45 s")
 

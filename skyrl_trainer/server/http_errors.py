@@ -10,6 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from skyrl_trainer.backend.errors import InvalidRequestError, NotFoundError
 
@@ -65,6 +66,14 @@ def install_error_handlers(app: FastAPI) -> None:
         else:
             message = str(exc.detail)
         return error_response(exc.status_code, message)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _disconnected(request: Request, exc: ClientDisconnect):
+        # The caller hung up mid-upload: nobody gets this answer, and it is not a server fault.
+        logger.info("client disconnected during %s %s", request.method, request.url.path)
+        return error_response(
+            400, "the client disconnected before the request body was complete", "body"
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):

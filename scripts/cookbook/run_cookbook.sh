@@ -1,0 +1,179 @@
+#!/usr/bin/env bash
+# Run the UNCHANGED tinker-cookbook rl_loop and sl_loop against a Tinker-compatible server.
+#
+#   bash scripts/cookbook/run_cookbook.sh BASE_URL [LOG_DIR]
+#   e.g. bash scripts/cookbook/run_cookbook.sh http://127.0.0.1:8000 runs/cookbook
+#
+# Needs scripts/cookbook/setup_cookbook.sh first (venv + offline caches). The loops are the installed
+# package's own modules (python -m tinker_cookbook.recipes.rl_loop / sl_loop), configured only through
+# their chz command-line fields and environment variables.
+#
+# LOG_DIR (default <repo>/runs/cookbook) gets rl_loop/ and sl_loop/ (each: the loop's log_path with
+# config.json, metrics.jsonl, checkpoints.jsonl, logs.log) and rl_loop.out / sl_loop.out (stdout+stderr).
+# Those four are removed first on every run: a log_path holding a checkpoints.jsonl makes the loops
+# resume from it (create_training_client_from_state_with_optimizer on a path of an earlier server).
+#
+# Why model_name=Qwen/Qwen3-4B-Instruct-2507: the loops pick their renderer with
+# model_info.get_recommended_renderer_name(model_name), which raises for any model name outside the
+# cookbook's table (e.g. HuggingFaceTB/SmolLM2-135M-Instruct), and they have no renderer_name field.
+# That table entry maps to the "qwen3_instruct" renderer, plain ChatML (<|im_start|>role\n...<|im_end|>
+# with <|im_end|> as the stop token), which is token-for-token SmolLM2's own chat template. The offline
+# hub cache holds SmolLM2's tokenizer (and weights) under that repo id, so the client tokenizes with
+# SmolLM2's vocabulary; the server must serve SmolLM2 for base_model "Qwen/Qwen3-4B-Instruct-2507"
+# (it does so by itself when started with the same HF_HOME and HF_HUB_OFFLINE=1, see COOKBOOK_HF_ENV).
+#
+# Environment knobs (defaults suit a 2-core CPU and a 135M model):
+#   STEPS=2                 max_steps for both loops
+#   LORA_RANK=8             lora_rank for both loops
+#   SAVE_EVERY=1            save_every (1: a mid-run save_state at step 1, besides the final save)
+#   RL_BATCH_SIZE=2 RL_GROUP_SIZE=4 RL_MAX_TOKENS=64 RL_LEARNING_RATE=4e-5
+#   RL_LOSS_FN              unset: the recipe default (stable_reinforce); or importance_sampling, cispo, gspo
+#   SL_BATCH_SIZE=4 SL_MAX_LENGTH=512 SL_LEARNING_RATE=1e-4
+#   RL_EXTRA_ARGS, SL_EXTRA_ARGS   more key=value fields, appended last (so they win)
+#   ONLY=rl|sl              run one loop only
+#   LOOP_TIMEOUT=1800       seconds per loop
+#   TINKER_API_KEY          default tml-local
+#   COOKBOOK_VENV, COOKBOOK_CACHE, COOKBOOK_MODEL_NAME   as in setup_cookbook.sh
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+repo="$(cd "$here/../.." && pwd)"
+
+if [[ $# -lt 1 || "$1" == -h || "$1" == --help ]]; then
+    sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
+    exit 2
+fi
+BASE_URL="$1"
+LOG_DIR="${2:-$repo/runs/cookbook}"
+mkdir -p "$LOG_DIR"
+LOG_DIR="$(cd "$LOG_DIR" && pwd)"
+
+COOKBOOK_VENV="${COOKBOOK_VENV:-$repo/.venv-cookbook}"
+COOKBOOK_CACHE="${COOKBOOK_CACHE:-$repo/.cache-cookbook}"
+COOKBOOK_MODEL_NAME="${COOKBOOK_MODEL_NAME:-Qwen/Qwen3-4B-Instruct-2507}"
+STEPS="${STEPS:-2}"
+LORA_RANK="${LORA_RANK:-8}"
+SAVE_EVERY="${SAVE_EVERY:-1}"
+LOOP_TIMEOUT="${LOOP_TIMEOUT:-1800}"
+
+log() { printf '[run_cookbook] %s\n' "$*" >&2; }
+die() { log "ERROR: $*"; exit 1; }
+
+py="$COOKBOOK_VENV/bin/python"
+[[ -x "$py" ]] || die "no $py: run scripts/cookbook/setup_cookbook.sh first"
+hf_home="$COOKBOOK_CACHE/hf"
+[[ -d "$hf_home/datasets/openai___gsm8k" ]] || die "no offline caches in $hf_home: run setup_cookbook.sh first"
+
+# The offline environment (a server started with the same HF_HOME and HF_HUB_OFFLINE=1 resolves
+# base_model=$COOKBOOK_MODEL_NAME to the SmolLM2 snapshot in that cache).
+export HF_HOME="$hf_home"
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export HF_HUB_DISABLE_TELEMETRY=1 HF_HUB_DISABLE_PROGRESS_BARS=1
+export TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled
+export TINKER_API_KEY="${TINKER_API_KEY:-tml-local}"
+export TINKER_COOKBOOK_RUNS_DIR="$LOG_DIR"  # the loops' default log root; we pass log_path anyway
+export NO_PROXY="127.0.0.1,localhost,::1${NO_PROXY:+,$NO_PROXY}" no_proxy="127.0.0.1,localhost,::1${no_proxy:+,$no_proxy}"
+export PYTHONUNBUFFERED=1
+
+common=(
+    "base_url=$BASE_URL"
+    "model_name=$COOKBOOK_MODEL_NAME"
+    "lora_rank=$LORA_RANK"
+    "max_steps=$STEPS"
+    "save_every=$SAVE_EVERY"
+)
+# shellcheck disable=SC2206  # word splitting of the *_EXTRA_ARGS lists is intended
+rl_args=(
+    "${common[@]}"
+    "log_path=$LOG_DIR/rl_loop"
+    "batch_size=${RL_BATCH_SIZE:-2}"
+    "group_size=${RL_GROUP_SIZE:-4}"
+    "max_tokens=${RL_MAX_TOKENS:-64}"
+    "learning_rate=${RL_LEARNING_RATE:-4e-5}"
+    ${RL_LOSS_FN:+"loss_fn=$RL_LOSS_FN"}
+    ${RL_EXTRA_ARGS:-}
+)
+# shellcheck disable=SC2206
+sl_args=(
+    "${common[@]}"
+    "log_path=$LOG_DIR/sl_loop"
+    "batch_size=${SL_BATCH_SIZE:-4}"
+    "max_length=${SL_MAX_LENGTH:-512}"
+    "learning_rate=${SL_LEARNING_RATE:-1e-4}"
+    ${SL_EXTRA_ARGS:-}
+)
+
+# Check what a finished loop left in its log_path: >= STEPS metric rows and a final checkpoint record.
+check_outputs() {
+    "$py" - "$1" "$STEPS" "$2" <<'EOF'
+import json, sys
+from pathlib import Path
+d, steps, out = Path(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
+problems = []
+metrics = [json.loads(l) for l in (d / "metrics.jsonl").read_text().splitlines() if l.strip()] if (d / "metrics.jsonl").exists() else []
+if len(metrics) < steps:
+    problems.append(f"metrics.jsonl has {len(metrics)} rows, want >= {steps}")
+ckpts = [json.loads(l) for l in (d / "checkpoints.jsonl").read_text().splitlines() if l.strip()] if (d / "checkpoints.jsonl").exists() else []
+final = [c for c in ckpts if c.get("name") == "final"]
+if not final or not final[-1].get("state_path") or not final[-1].get("sampler_path"):
+    problems.append(f"no final checkpoint with state_path and sampler_path in checkpoints.jsonl ({ckpts})")
+for m in metrics:
+    print("  step", {k: (float(f"{v:.4g}") if isinstance(v, float) else v) for k, v in m.items()})
+for c in ckpts:
+    print("  checkpoint", c)
+skipped = out.read_text(errors="replace").count("all advantages zero, skipping training step")
+if skipped:
+    # rl_loop trains only on groups whose rewards differ; SmolLM2-135M almost never writes a correct
+    # \\boxed{} GSM8K answer, so usually every reward is 0 and that step sends no forward_backward.
+    print(f"  note: {skipped} RL step(s) skipped forward_backward/optim_step (all rewards in every group equal)")
+if problems:
+    print("  PROBLEMS: " + "; ".join(problems))
+    sys.exit(1)
+EOF
+}
+
+run_loop() {
+    local name="$1"; shift
+    local out="$LOG_DIR/$name.out"
+    rm -rf "${LOG_DIR:?}/$name" "$out"
+    log "$name: python -m tinker_cookbook.recipes.$name $*"
+    log "$name: output in $out"
+    local start=$SECONDS rc=0
+    timeout --signal=INT --kill-after=30 "$LOOP_TIMEOUT" \
+        "$py" -m "tinker_cookbook.recipes.$name" "$@" >"$out" 2>&1 || rc=$?
+    log "$name: exit $rc after $((SECONDS - start)) s"
+    if ((rc != 0)); then
+        log "$name: last lines of $out:"
+        tail -n 40 "$out" >&2
+        return "$rc"
+    fi
+    check_outputs "$LOG_DIR/$name" "$out" >&2 || { log "$name: outputs incomplete"; return 1; }
+}
+
+# The tinker SDK retries a refused connection for as long as LOOP_TIMEOUT allows, so check first that
+# something listens at BASE_URL (waiting up to SERVER_WAIT seconds for a server still starting).
+"$py" - "$BASE_URL" "${SERVER_WAIT:-30}" <<'EOF' || die "nothing listens at $BASE_URL (start the server first)"
+import socket, sys, time, urllib.parse
+u = urllib.parse.urlsplit(sys.argv[1])
+host, port = u.hostname or "127.0.0.1", u.port or (443 if u.scheme == "https" else 80)
+deadline = time.monotonic() + float(sys.argv[2])
+while True:
+    try:
+        socket.create_connection((host, port), timeout=3).close()
+        break
+    except OSError as e:
+        if time.monotonic() > deadline:
+            print(f"[run_cookbook] cannot connect to {host}:{port}: {e}", file=sys.stderr)
+            sys.exit(1)
+        time.sleep(1)
+EOF
+
+status=0
+if [[ "${ONLY:-}" != sl ]]; then
+    run_loop rl_loop "${rl_args[@]}" || status=1
+fi
+if [[ "${ONLY:-}" != rl ]]; then
+    run_loop sl_loop "${sl_args[@]}" || status=1
+fi
+if ((status == 0)); then log "done: loops finished (logs in $LOG_DIR)"; else log "FAILED (logs in $LOG_DIR)"; fi
+exit "$status"
