@@ -27,7 +27,7 @@
 #   LORA_RANK=8             lora_rank for both loops
 #   SAVE_EVERY=1            save_every (1: a mid-run save_state at step 1, besides the final save)
 #   RL_BATCH_SIZE=2 RL_GROUP_SIZE=4 RL_MAX_TOKENS=64 RL_LEARNING_RATE=4e-5
-#   RL_LOSS_FN              unset: the recipe default (stable_reinforce); or importance_sampling, cispo, gspo
+#   RL_LOSS_FN=importance_sampling  (the recipe default, stable_reinforce, is not supported by this server)
 #   SL_BATCH_SIZE=4 SL_MAX_LENGTH=512 SL_LEARNING_RATE=1e-4
 #   RL_EXTRA_ARGS, SL_EXTRA_ARGS   more key=value fields, appended last (so they win)
 #   ONLY=rl|sl              run one loop only
@@ -90,7 +90,7 @@ rl_args=(
     "group_size=${RL_GROUP_SIZE:-4}"
     "max_tokens=${RL_MAX_TOKENS:-64}"
     "learning_rate=${RL_LEARNING_RATE:-4e-5}"
-    ${RL_LOSS_FN:+"loss_fn=$RL_LOSS_FN"}
+    "loss_fn=${RL_LOSS_FN:-importance_sampling}"
     ${RL_EXTRA_ARGS:-}
 )
 # shellcheck disable=SC2206

@@ -116,6 +116,12 @@ def register_loss(
 def get_loss(name: str) -> LossSpec:
     """The registered loss `name`; an unknown name is the caller's error."""
     spec = LOSS_FNS.get(name)
+    if spec is None and name == "stable_reinforce":
+        raise InvalidRequestError(
+            "loss_fn",
+            "'stable_reinforce' is not supported by this backend (its server-side stability "
+            "records are not public); use importance_sampling, ppo, cispo, gspo or dro",
+        )
     if spec is None:
         choices = ", ".join(sorted(LOSS_FNS))
         raise InvalidRequestError("loss_fn", f"unknown loss {name!r}; choose one of: {choices}")

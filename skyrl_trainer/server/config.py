@@ -35,7 +35,7 @@ class ServerConfig:
     allow_unauthenticated_remote: bool = False
     database: str | None = None
     """SQLite file; default <storage_dir>/server.sqlite3."""
-    retrieve_wait_s: float = 10.0
+    retrieve_wait_s: float = 30.0
     """How long `retrieve_future` holds a poll for an unfinished result before `try_again`
     (well under the SDK's 45 s timeout)."""
     future_retention_s: float = 3600.0
