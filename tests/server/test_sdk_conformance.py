@@ -299,6 +299,8 @@ def test_unsupported_calls_say_so(live_server, tiny_model_dir):
     tc = service.create_lora_training_client(str(tiny_model_dir), rank=4, seed=5).result()
     with pytest.raises(tinker.APIStatusError, match="not supported"):
         tc.optim_step(types.DimuonParams(learning_rate=1e-3)).result()
+    with pytest.raises(tinker.RequestFailedError, match="stable_reinforce.*not supported"):
+        tc.forward_backward([rl_view(BATCH[0])], "stable_reinforce").result()
     with pytest.raises(Exception, match="not supported"):
         service.create_lora_training_client(
             str(tiny_model_dir), rank=4, optimizer=types.DimuonOptimizerConfig()
