@@ -34,6 +34,7 @@ CREATE TABLE IF NOT EXISTS futures (
     model_id TEXT, status TEXT NOT NULL, content_type TEXT, payload BLOB,
     created REAL NOT NULL, completed REAL);
 CREATE INDEX IF NOT EXISTS futures_by_time ON futures (created);
+CREATE INDEX IF NOT EXISTS futures_by_owner_status ON futures (owner, status);
 CREATE TABLE IF NOT EXISTS checkpoints (
     tinker_path TEXT PRIMARY KEY, run_id TEXT NOT NULL, owner TEXT NOT NULL,
     checkpoint_type TEXT NOT NULL, name TEXT NOT NULL, created REAL NOT NULL,
