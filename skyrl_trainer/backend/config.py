@@ -9,6 +9,19 @@ from skyrl_trainer.backend.model_loading import default_cache_dir
 
 
 @dataclass
+class RayConfig:
+    """The Ray cluster that multi-worker training (`training.num_workers > 1`) runs on."""
+
+    address: str | None = None
+    """An existing cluster to join ("host:port" of its head, "auto", or "ray://host:port").
+    None: the Ray already initialised in this process, else a new local one."""
+    num_cpus: int | None = None
+    """A new local Ray only: the CPUs it offers (default: all of this machine's)."""
+    connect_timeout_s: float = 60.0
+    """Most seconds to reach `address` and start or join Ray; beyond it start-up fails."""
+
+
+@dataclass
 class TrainingConfig:
     """How training workers compute."""
 
@@ -25,6 +38,28 @@ class TrainingConfig:
     """False: the logits of a micro-batch are kept (in the compute dtype) for backward.
     True: the vocabulary projection is recomputed chunk by chunk in backward, so only one
     chunk's logits exist at a time (less memory, one extra projection)."""
+    num_workers: int = 1
+    """Training processes per base model. 1: one in-process worker (no Ray). More: that many
+    Ray actors in one placement group, each a replica in a torch.distributed group; a request's
+    examples are split across them by token count and their gradients summed."""
+    num_cpus_per_worker: float = 1.0
+    """Ray CPUs each worker reserves (num_workers > 1)."""
+    num_gpus_per_worker: float | None = None
+    """Ray GPUs each worker reserves. None: 1 when `device` is "cuda", or "auto" and the Ray
+    cluster has GPUs; else 0 (a worker without a GPU computes on CPU)."""
+    shard_full_models: bool = True
+    """num_workers > 1: full fine-tuning models are sharded across the workers with FSDP2
+    (parameters, gradients and optimizer state; CPU/gloo and CUDA/nccl). False: every worker
+    holds a full replica (plain data parallel). LoRA models are always replicated."""
+    placement_strategy: str = "PACK"
+    """Ray placement-group strategy for the workers: PACK, SPREAD, STRICT_PACK, STRICT_SPREAD."""
+    startup_timeout_s: float = 180.0
+    """Most seconds to wait for the workers' resources, start-up and process group; beyond
+    it the backend fails with a message naming the fields to change, never hangs."""
+    collective_timeout_s: float = 300.0
+    """torch.distributed timeout: a worker waiting in a collective for a peer that is gone
+    (or stuck) gives up after this, so a failed worker can never hang the backend."""
+    ray: RayConfig = field(default_factory=lambda: RayConfig())
 
 
 @dataclass

@@ -505,6 +505,9 @@ class BackendCore:
     def shutdown(self) -> None:
         for slot in list(self._bases.values()):
             slot.executor.shutdown(wait=True, cancel_futures=True)
+            shutdown_group = getattr(slot.group, "shutdown", None)
+            if shutdown_group is not None:  # a Ray group: kill its actors
+                shutdown_group()
         self.samplers.shutdown()
 
 

@@ -4,6 +4,10 @@ LoRA models share the worker's one frozen base (each is a PEFT adapter); a full 
 model owns a float32 copy. The worker turns validated `TrainingExample`s into per-token
 log-probs, sums the loss, accumulates gradients and steps optimizers. It knows nothing about
 sessions, futures or checkpoint paths: that is the core's job.
+
+A few small methods (`_logprobs`, `_export_weights`, `_export_optimizer_state`, `_write_state`,
+`_import_weight`, `_import_optimizer_state`) are the seams a multi-worker replica
+(`distributed.replica`) overrides to shard weights; here they do the plain single-process thing.
 """
 
 from __future__ import annotations
@@ -184,6 +188,32 @@ class TrainingWorker:
         ]
         return torch.cat(chunks)
 
+    def _logprobs(
+        self,
+        slot: _ModelSlot,
+        input_ids_BT: torch.Tensor,
+        mask_BT: torch.Tensor,
+        targets_BT: torch.Tensor,
+    ) -> torch.Tensor:
+        """log p(target) of the real (unmasked) tokens, flattened row by row."""
+        return self._causal_lm_logprobs(slot.hf_model, input_ids_BT, mask_BT, targets_BT)
+
+    def _causal_lm_logprobs(
+        self,
+        hf_model: PreTrainedModel,
+        input_ids_BT: torch.Tensor,
+        mask_BT: torch.Tensor,
+        targets_BT: torch.Tensor,
+    ) -> torch.Tensor:
+        hidden_BTD = hf_model.get_decoder()(
+            input_ids=input_ids_BT, attention_mask=mask_BT.long(), use_cache=False
+        ).last_hidden_state
+        # Drop padding before the vocabulary projection: rows are row-major, so each
+        # example's tokens stay contiguous in the flattened order.
+        return self._target_logprobs(
+            hf_model.get_output_embeddings(), hidden_BTD[mask_BT], targets_BT[mask_BT]
+        )
+
     def _forward_micro_batch(
         self,
         slot: _ModelSlot,
@@ -194,19 +224,12 @@ class TrainingWorker:
     ) -> tuple[list[torch.Tensor], float]:
         inputs = pad_right([e.input_ids_N for e in examples])
         targets = pad_right([e.loss_inputs["target_tokens"] for e in examples]).input_ids_BT
-        mask = inputs.mask_BT.to(self.device)
         with torch.set_grad_enabled(backward), self._autocast():
-            hidden_BTD = slot.hf_model.get_decoder()(
-                input_ids=inputs.input_ids_BT.to(self.device),
-                attention_mask=mask.long(),
-                use_cache=False,
-            ).last_hidden_state
-            # Drop padding before the vocabulary projection: rows are row-major, so each
-            # example's tokens stay contiguous in the flattened order.
-            logprobs_N = self._target_logprobs(
-                slot.hf_model.get_output_embeddings(),
-                hidden_BTD[mask],
-                targets.to(self.device)[mask],
+            logprobs_N = self._logprobs(
+                slot,
+                inputs.input_ids_BT.to(self.device),
+                inputs.mask_BT.to(self.device),
+                targets.to(self.device),
             )
         with torch.set_grad_enabled(backward):
             per_example = torch.split(logprobs_N, [e.length for e in examples])
@@ -268,9 +291,26 @@ class TrainingWorker:
     def save_state(self, model_id: str, directory: Path, with_optimizer: bool) -> None:
         """Write the model's trainable weights (PEFT adapter folder or full HF weights)."""
         slot = self._slot(model_id)
-        tensors = {
+        tensors = self._export_weights(slot)
+        optimizer_state = self._export_optimizer_state(slot) if with_optimizer else None
+        self._write_state(slot, directory, tensors, optimizer_state)
+
+    def _export_weights(self, slot: _ModelSlot) -> dict[str, torch.Tensor]:
+        """The trainable weights as full CPU tensors, by file key."""
+        return {
             self._file_key(slot, n): p.detach().contiguous().cpu() for n, p in slot.named_params
         }
+
+    def _export_optimizer_state(self, slot: _ModelSlot) -> dict:
+        return slot.optimizer.state_dict()
+
+    def _write_state(
+        self,
+        slot: _ModelSlot,
+        directory: Path,
+        tensors: dict[str, torch.Tensor],
+        optimizer_state: dict | None,
+    ) -> None:
         if slot.adapter_name is not None:
             assert isinstance(self._lora_base, PeftModel)
             save_file(tensors, directory / ADAPTER_WEIGHTS, metadata={"format": "pt"})
@@ -286,11 +326,11 @@ class TrainingWorker:
             for name in TOKENIZER_FILES:  # a complete HF folder: transformers/vLLM load it as is
                 if (self.model_dir / name).exists():
                     shutil.copy2(self.model_dir / name, directory / name)
-        if with_optimizer:
+        if optimizer_state is not None:
             torch.save(
                 {
                     "param_names": [self._file_key(slot, n) for n, _ in slot.named_params],
-                    "state": slot.optimizer.state_dict(),
+                    "state": optimizer_state,
                 },
                 directory / OPTIMIZER_STATE,
             )
@@ -350,8 +390,15 @@ class TrainingWorker:
             optimizer_state = saved["state"]
         with torch.no_grad():
             for key, param in expected.items():
-                param.copy_(tensors[key])
+                self._import_weight(param, tensors[key])
                 param.grad = None
         slot.optimizer = make_adamw(slot.params)
         if optimizer_state is not None:
-            slot.optimizer.load_state_dict(optimizer_state)
+            self._import_optimizer_state(slot, optimizer_state)
+
+    def _import_weight(self, param: torch.nn.Parameter, tensor: torch.Tensor) -> None:
+        """Copy a full checkpoint tensor into a parameter (under no_grad)."""
+        param.copy_(tensor)
+
+    def _import_optimizer_state(self, slot: _ModelSlot, state: dict) -> None:
+        slot.optimizer.load_state_dict(state)

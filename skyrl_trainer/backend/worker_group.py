@@ -1,8 +1,9 @@
 """The interface between the backend core and whatever runs training compute.
 
-The core talks to a `TrainingWorkerGroup` per base model. Today that is one in-process
-`TrainingWorker`; a Ray group of FSDP workers implements the same methods (splitting
-examples across ranks and summing), so the core and the clients never change.
+The core talks to a `TrainingWorkerGroup` per base model: one in-process `TrainingWorker`
+(`training.num_workers == 1`), or a Ray group of workers (`distributed.ray_group`) that
+implements the same methods by splitting examples across ranks and summing, so the core and
+the clients never change.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from skyrl_trainer.backend.config import TrainingConfig
 from skyrl_trainer.backend.datums import TrainingExample
 from skyrl_trainer.backend.losses import LossSpec
 from skyrl_trainer.backend.training_worker import ForwardResult, ModelDescription, TrainingWorker
+from skyrl_trainer.typed_config import ConfigError
 
 
 class TrainingWorkerGroup(Protocol):
@@ -49,5 +51,16 @@ class TrainingWorkerGroup(Protocol):
 
 
 def make_worker_group(model_dir: Path, config: TrainingConfig) -> TrainingWorkerGroup:
-    """The worker group for one base model: a single in-process worker."""
-    return TrainingWorker(model_dir, config)
+    """The worker group for one base model: a single in-process worker when
+    `config.num_workers == 1`, else `num_workers` Ray actors (`distributed.ray_group`).
+
+    A group may also have `shutdown()` (the Ray group does: it kills its actors); the core
+    calls it when it shuts down.
+    """
+    if isinstance(config.num_workers, bool) or config.num_workers < 1:
+        raise ConfigError(f"training.num_workers: must be >= 1, got {config.num_workers!r}")
+    if config.num_workers == 1:
+        return TrainingWorker(model_dir, config)
+    from skyrl_trainer.backend.distributed.ray_group import RayTrainingWorkerGroup
+
+    return RayTrainingWorkerGroup(model_dir, config)
