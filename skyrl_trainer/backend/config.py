@@ -84,6 +84,25 @@ class SamplingConfig:
     """vLLM: KV-cache size per engine; default 2 GiB on CPU, `gpu_memory_utilization` on GPU."""
     gpu_memory_utilization: float = 0.5
     """vLLM on GPU: the share of GPU memory an engine may take (the trainer needs the rest)."""
+    num_engines: int = 1
+    """Engine replicas per served model. 1: the engine runs in this process (no Ray). More: each
+    replica is a Ray actor (`sampling.engine_pool.EnginePool`); requests are routed with prefix
+    affinity and every weight or adapter sync reaches all replicas before it returns."""
+    num_cpus_per_engine: float = 1.0
+    """Ray CPUs each engine actor reserves (num_engines > 1); also its torch threads (at least 1)."""
+    num_gpus_per_engine: float | None = None
+    """Ray GPUs each engine actor reserves. None: on a cluster with GPUs (or `device` "cuda"),
+    1 ("separate") or 0.5 ("colocated"); else 0 (the engine computes on CPU)."""
+    engine_placement: str = "separate"
+    """"separate": engines reserve resources of their own. "colocated": engines are meant to share
+    the trainer's GPUs, and sleep (vLLM sleep mode) while a forward_backward runs, waking on their
+    next request or weight sync. On CPU both are plain actors. Colocation is untested on GPU."""
+    affinity_prefix_tokens: int = 64
+    """Routing key: the sampler session and this many leading prompt tokens. Requests sharing
+    them go to the same engine (its prefix cache), unless that engine has `max_batch_size`
+    more rows in flight than the least loaded one."""
+    engine_startup_timeout_s: float = 300.0
+    """Most seconds for the engine actors' resources and start-up (num_engines > 1)."""
 
 
 @dataclass

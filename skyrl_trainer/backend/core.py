@@ -92,6 +92,7 @@ class BackendCore:
         self.samplers = SamplerRegistry(
             self.config.sampling,
             lambda name: model_loading.resolve_model_dir(name, self.config.resolved_cache_dir()),
+            ray_config=self.config.training.ray,
         )
         self._sample_seq = itertools.count()
 
@@ -261,6 +262,7 @@ class BackendCore:
         the loss's gradients are added to the model's accumulated gradients."""
 
         def job(record: ModelRecord, group: TrainingWorkerGroup) -> types.ForwardBackwardOutput:
+            self.samplers.before_training(record.base_model)  # colocated engines sleep
             spec = get_loss(loss_fn)
             config = resolve_loss_config(spec, loss_fn_config)
             desc = group.description
@@ -284,6 +286,7 @@ class BackendCore:
         """
 
         def job(record: ModelRecord, group: TrainingWorkerGroup) -> types.ForwardBackwardOutput:
+            self.samplers.before_training(record.base_model)  # colocated engines sleep
             spec = get_loss("cross_entropy")
             desc = group.description
             ce_data = [_cross_entropy_view(d, f"data[{i}]") for i, d in enumerate(data)]

@@ -8,6 +8,10 @@ A sampling session is bound once, at creation, to exactly one set of weights:
 - a full-weights snapshot: full fine-tuning models get an engine of their own whose weights
   are replaced in place, so only the newest snapshot is live; a session bound to an older
   one fails with a clear error. It never silently serves other weights.
+
+An "engine" here is one in-process engine (`sampling.num_engines == 1`) or an `EnginePool` of
+Ray actor replicas (more): syncs reach every replica before a binding returns, and requests are
+routed by session and prompt prefix, so these semantics hold unchanged for a pool.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from skyrl_trainer.backend.config import SamplingConfig
+from skyrl_trainer.backend.config import RayConfig, SamplingConfig
 from skyrl_trainer.backend.errors import InvalidRequestError, NotFoundError
 from skyrl_trainer.backend.sampling.engine import (
     GenerationRequest,
@@ -46,11 +50,23 @@ def resolve_engine_kind(config: SamplingConfig) -> str:
     return config.engine
 
 
-def make_sampling_engine(model_dir: Path, config: SamplingConfig, lora: bool) -> SamplingEngine:
+def make_sampling_engine(
+    model_dir: Path,
+    config: SamplingConfig,
+    lora: bool,
+    ray_config: RayConfig | None = None,
+    sleep_mode: bool = False,
+) -> SamplingEngine:
     """The engine `config.engine` names for the model folder `model_dir` ("auto": vLLM when it
-    is installed, else the PyTorch engine). `lora`: the engine will serve LoRA adapters."""
+    is installed, else the PyTorch engine). `lora`: the engine will serve LoRA adapters.
+    `config.num_engines > 1`: an `EnginePool` of that many Ray actors (on `ray_config`'s Ray),
+    each running such an engine. `sleep_mode`: vLLM on GPU may sleep (colocated engines)."""
     from skyrl_trainer.backend.sampling.vllm_engine import vllm_available
 
+    if config.num_engines != 1:
+        from skyrl_trainer.backend.sampling.engine_pool import EnginePool
+
+        return EnginePool(model_dir, config, lora=lora, ray_config=ray_config)
     engine = resolve_engine_kind(config)
     if engine == "vllm":
         if not vllm_available():
@@ -69,6 +85,7 @@ def make_sampling_engine(model_dir: Path, config: SamplingConfig, lora: bool) ->
             max_lora_rank=config.max_lora_rank,
             kv_cache_gib=config.kv_cache_gib,
             gpu_memory_utilization=config.gpu_memory_utilization,
+            enable_sleep_mode=sleep_mode,
         )
     if engine == "torch":
         from skyrl_trainer.backend.sampling.torch_engine import TorchSamplingEngine
@@ -100,6 +117,7 @@ class SamplerBinding:
 @dataclass
 class _EngineSlot:
     engine: SamplingEngine
+    base_model: str
     version: int = 0  # bumped by every in-place full-weights update
     lora_snapshots: dict[str, deque[str]] = field(default_factory=dict)  # owner -> adapters
     live_adapters: set[str] = field(default_factory=set)
@@ -108,8 +126,15 @@ class _EngineSlot:
 class SamplerRegistry:
     """Engines per base model (and per full fine-tuning model), and the sessions bound to them."""
 
-    def __init__(self, config: SamplingConfig, resolve_model_dir: Callable[[str], Path]):
+    def __init__(
+        self,
+        config: SamplingConfig,
+        resolve_model_dir: Callable[[str], Path],
+        ray_config: RayConfig | None = None,
+    ):
+        """`ray_config`: the Ray cluster engine pools use (`sampling.num_engines > 1`)."""
         self.config = config
+        self.ray_config = ray_config
         self._resolve_model_dir = resolve_model_dir
         self._lock = threading.RLock()
         self._engines: dict[str, _EngineSlot] = {}
@@ -119,17 +144,18 @@ class SamplerRegistry:
 
     # ----- engines ------------------------------------------------------------------------
 
-    def _engine(self, key: str, model_dir: Callable[[], Path], lora: bool = False) -> _EngineSlot:
+    def _engine(
+        self, key: str, base_model: str, model_dir: Callable[[], Path], lora: bool = False
+    ) -> _EngineSlot:
         with self._lock:
             slot = self._engines.get(key)
             if slot is None:
-                slot = self._engines[key] = _EngineSlot(
-                    make_sampling_engine(model_dir(), self.config, lora=lora)
-                )
+                engine = make_sampling_engine(model_dir(), self.config, lora, self.ray_config)
+                slot = self._engines[key] = _EngineSlot(engine, base_model)
             return slot
 
     def _base_engine(self, base_model: str) -> _EngineSlot:
-        return self._engine(base_model, lambda: self._resolve_model_dir(base_model))
+        return self._engine(base_model, base_model, lambda: self._resolve_model_dir(base_model))
 
     def _lora_engine_key(self, base_model: str) -> str:
         # The PyTorch engine serves base and adapter rows side by side. vLLM gets an engine of
@@ -139,7 +165,7 @@ class SamplerRegistry:
 
     def _lora_engine(self, base_model: str) -> _EngineSlot:
         key = self._lora_engine_key(base_model)
-        return self._engine(key, lambda: self._resolve_model_dir(base_model), lora=True)
+        return self._engine(key, base_model, lambda: self._resolve_model_dir(base_model), True)
 
     def _new_session(self, **binding) -> str:
         sampler_id = f"sampler-{next(self._ids)}"
@@ -203,7 +229,9 @@ class SamplerRegistry:
     ) -> str:
         """Copy full fine-tuned weights into `owner`'s own engine in place (a new version) and
         bind a session to that version; sessions on earlier versions go stale."""
-        slot = self._engine(f"full:{owner}", lambda: self._resolve_model_dir(base_model))
+        slot = self._engine(
+            f"full:{owner}", base_model, lambda: self._resolve_model_dir(base_model)
+        )
         slot.engine.update_weights(named_tensors)
         with self._lock:
             slot.version += 1
@@ -216,7 +244,7 @@ class SamplerRegistry:
         """A session on a saved full-weights checkpoint folder (an engine of its own, keyed by
         path and creation time, so a checkpoint overwritten under its name gets a new one)."""
         key = f"full:{model_path}@{created_at}"
-        self._engine(key, lambda: folder)
+        self._engine(key, base_model, lambda: folder)
         return self._new_session(
             base_model=base_model, engine_key=key, version=0, model_path=model_path
         )
@@ -241,7 +269,11 @@ class SamplerRegistry:
                 f"but the model has since synced snapshot {slot.version} (full fine-tuning keeps "
                 "one live snapshot per model); get a new sampling client",
             )
-        return slot.engine.generate(replace(request, adapter=binding.adapter))
+        request = replace(request, adapter=binding.adapter)
+        for_session = getattr(slot.engine, "generate_for_session", None)
+        if for_session is not None:  # an engine pool: route by session and prompt prefix
+            return for_session(sampler_id, request)
+        return slot.engine.generate(request)
 
     def engine(self, sampler_id: str) -> SamplingEngine:
         return self._engines[self.binding(sampler_id).engine_key].engine
@@ -249,7 +281,16 @@ class SamplerRegistry:
     def tokenizer(self, sampler_id: str):
         return self.engine(sampler_id).tokenizer
 
+    def before_training(self, base_model: str) -> None:
+        """Training on `base_model` is about to run: colocated engine pools of its models sleep
+        until their next request or sync (a no-op for every other engine)."""
+        for slot in list(self._engines.values()):
+            hook = getattr(slot.engine, "before_training", None)
+            if hook is not None and slot.base_model == base_model:
+                hook()
+
     def shutdown(self) -> None:
+        """Shut every engine down (engine pools: kill their actors, free their resources)."""
         for slot in list(self._engines.values()):
             slot.engine.shutdown()
         shutil.rmtree(self._scratch, ignore_errors=True)

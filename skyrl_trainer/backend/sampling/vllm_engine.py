@@ -10,6 +10,9 @@ running batch between steps) and resolves the futures of finished requests. Weig
 LoRA changes are queued like requests and run by that thread between steps. A weight update first
 lets the requests in flight finish (the requests behind it wait), so requests queued before it see
 the old weights and requests queued after it the new ones; loading a new adapter waits for nothing.
+With `enable_sleep_mode` on GPU (colocated engines), `sleep()` frees the engine's GPU memory once the
+requests in flight have finished and `wake_up()` restores it; elsewhere both do nothing (untested on
+GPU here).
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ class VLLMSamplingEngine:
         kv_cache_gib: float | None = None,
         gpu_memory_utilization: float = 0.5,
         seed: int = 0,
+        enable_sleep_mode: bool = False,
     ):
         """Start vLLM on the Hugging Face folder `model_dir` (in a background thread) and wait
         until it serves.
@@ -121,6 +125,10 @@ class VLLMSamplingEngine:
             self._llm_kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
         if torch.cuda.is_available():
             self._llm_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        # vLLM's sleep mode needs CUDA (on CPU sleep/wake_up are accepted and do nothing).
+        self.sleep_mode = enable_sleep_mode and torch.cuda.is_available()
+        if self.sleep_mode:
+            self._llm_kwargs["enable_sleep_mode"] = True
 
         self._queue: deque[_Queued | EngineControl] = deque()
         self._cond = threading.Condition()
@@ -201,6 +209,20 @@ class VLLMSamplingEngine:
         self._control(
             lambda: self._unload_adapter(name), must_wait=lambda adapters: name in adapters
         )
+
+    def sleep(self) -> None:
+        """Sleep mode only: once the requests in flight finish, offload the weights to host
+        memory and drop the KV cache (level 1) until `wake_up`."""
+        if self.sleep_mode:
+            self._control(lambda: self.llm.sleep(level=1), must_wait=lambda adapters: True)
+
+    def wake_up(self) -> None:
+        if self.sleep_mode:
+            self._control(self._wake_up, must_wait=lambda adapters: False)
+
+    def _wake_up(self) -> None:
+        self.llm.wake_up()
+        self.llm.reset_prefix_cache()  # the KV cache was dropped
 
     def shutdown(self) -> None:
         with self._cond:

@@ -1,0 +1,284 @@
+"""Several sampling engine replicas, each in a Ray actor, behind the `SamplingEngine` interface.
+
+`sampling.num_engines > 1` gives every served model an `EnginePool` instead of one in-process
+engine; the registry and the core cannot tell them apart. What the pool promises:
+
+- routing: a request goes to one live engine, chosen by rendezvous hashing of (sampler session,
+  first `affinity_prefix_tokens` prompt tokens), so a session's repeated prompt prefix lands on the
+  engine that has it cached; the least loaded engine takes it instead when the chosen one has
+  `max_batch_size` more rows in flight. Replicas are identical (same weights, same seed handling,
+  same threads), so a seeded request gives the same tokens whichever engine serves it, exactly as
+  far as one engine's results do not depend on what else shares its batch: float rounding from
+  batch composition (~1e-6 in float32 log-probs) can move an inverse-CDF sample to a neighbouring
+  token on near-uniform distributions; each request alone (max_batch_size <= num_samples) is exact.
+  Results are concurrent Futures, like the in-process engines'.
+- syncs: `update_weights`, `add_lora` and `remove_lora` reach every live engine before they return,
+  so any engine can serve any session. Full weights are put once in the Ray object store
+  (`ray.put`, on CPU in the sampling dtype) and each actor loads them from there: the working path
+  on CPU. On GPUs an NCCL broadcast from the trainer or CUDA IPC handles would skip the host round
+  trip; neither is built. Adapters travel as the bytes of the PEFT folder (no shared storage).
+- ordering: each actor applies calls in the order the pool issued them (`ray_engine`): a request
+  issued before a sync is served by the old weights, one issued after by the new.
+- failure: an engine actor that dies fails its requests with `EngineDiedError` naming the engine
+  index, its actor id and Ray's reason, as soon as Ray reports the death (no hang); later requests
+  and syncs use the live engines only, and with none left everything fails at once. An engine that
+  fails a sync other engines applied is killed (it would serve other weights). A hung but live
+  engine is not detected.
+- colocated placement: `before_training()` puts the engines to sleep (vLLM sleep mode) until their
+  next request or sync. On CPU this changes nothing; the GPU path is untested.
+- `shutdown()` kills the actors and removes their placement group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import threading
+from collections.abc import Mapping
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+from ray.util.placement_group import remove_placement_group
+
+from skyrl_trainer.backend.config import RayConfig, SamplingConfig
+from skyrl_trainer.backend.distributed import ray_cluster
+from skyrl_trainer.backend.errors import InvalidRequestError
+from skyrl_trainer.backend.model_loading import load_tokenizer, parse_dtype
+from skyrl_trainer.backend.sampling.engine import GenerationRequest, GenerationResult
+from skyrl_trainer.backend.sampling.engine_launch import (
+    EngineDiedError,
+    brief,
+    cause_of,
+    check_config,
+    launch,
+)
+from skyrl_trainer.backend.sampling.torch_requests import validate_request
+from skyrl_trainer.backend.sampling.torch_weights import AdapterSet
+
+__all__ = ["EngineDiedError", "EnginePool"]
+
+logger = logging.getLogger(__name__)
+
+
+class EnginePool:
+    """`config.num_engines` engine actors serving one model (see the module docstring)."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        config: SamplingConfig,
+        lora: bool = False,
+        ray_config: RayConfig | None = None,
+    ):
+        check_config(config)  # before anything starts
+        self.config, self.model_dir, n = config, Path(model_dir), config.num_engines
+        self._dtype = parse_dtype(config.dtype)
+        self._lock = threading.Lock()  # loads, deaths
+        self._submit_lock = threading.Lock()  # sequence numbers: issue order = turn order
+        self._seqs = [0] * n
+        self._loads = [0] * n  # rows (samples) in flight per engine
+        self.requests_per_engine = [0] * n
+        self._dead: dict[int, str] = {}
+        self.tokenizer = load_tokenizer(model_dir)
+        ray_cluster.connect(ray_config or RayConfig())
+        launched = launch(self.model_dir, config, lora)
+        self._pg = launched.placement_group
+        self._actors, self._actor_ids = launched.actors, launched.actor_ids
+        self.vocab_size = launched.described[0]["vocab_size"]
+        self.max_model_len = launched.described[0]["max_model_len"]
+        self.pids = [d["pid"] for d in launched.described]
+        logger.info("%d sampling engines for %s: actors %s", n, self.model_dir, self._actor_ids)
+
+    # ----- engines ------------------------------------------------------------------------
+
+    @property
+    def actors(self) -> list[Any]:
+        return list(self._actors)
+
+    @property
+    def actor_ids(self) -> list[str]:
+        return list(self._actor_ids)
+
+    @property
+    def dead_engines(self) -> dict[int, str]:
+        """Engine index -> why it is out of service."""
+        with self._lock:
+            return dict(self._dead)
+
+    def _name(self, index: int) -> str:
+        return f"sampling engine {index} (actor {self._actor_ids[index]})"
+
+    def _mark_dead(self, index: int, why: str, log: bool = True) -> str:
+        with self._lock:
+            if index not in self._dead:
+                self._dead[index] = f"{self._name(index)} {why}"
+                if log:
+                    logger.error(self._dead[index])
+            return self._dead[index]
+
+    def _kill(self, index: int, why: str, log: bool = True) -> None:
+        self._mark_dead(index, why, log)
+        with contextlib.suppress(Exception):
+            ray.kill(self._actors[index], no_restart=True)
+
+    def _live(self) -> list[int]:
+        with self._lock:
+            live = [i for i in range(len(self._actors)) if i not in self._dead]
+            if not live:
+                reasons = "; ".join(self._dead[i] for i in sorted(self._dead)) or "shut down"
+                raise EngineDiedError(f"no sampling engine of {self.model_dir} is left: {reasons}")
+            return live
+
+    def _submit(self, index: int, method: str, *args: Any) -> ray.ObjectRef:
+        with self._submit_lock:
+            seq = self._seqs[index]
+            self._seqs[index] += 1
+            actor = self._actors[index]
+            try:
+                return getattr(actor, method).remote(seq, *args)
+            except BaseException:
+                actor.skip.remote(seq)  # the actor must not wait for this turn
+                raise
+
+    # ----- generation ---------------------------------------------------------------------
+
+    def route(self, session: str | None, request: GenerationRequest) -> int:
+        """The engine index that would serve `request` for `session` now."""
+        live = self._live()
+        prefix = request.prompt_ids[: self.config.affinity_prefix_tokens]
+        key = f"{session or ''}|{','.join(map(str, prefix))}".encode()
+
+        def score(index: int) -> int:
+            digest = hashlib.blake2b(key + b"#%d" % index, digest_size=8).digest()
+            return int.from_bytes(digest, "little")
+
+        preferred = max(live, key=score)
+        with self._lock:
+            least = min(live, key=self._loads.__getitem__)
+            if self._loads[preferred] - self._loads[least] >= self.config.max_batch_size:
+                return least
+        return preferred
+
+    def generate(self, request: GenerationRequest) -> Future[GenerationResult]:
+        return self.generate_for_session(None, request)
+
+    def generate_for_session(
+        self, session: str | None, request: GenerationRequest
+    ) -> Future[GenerationResult]:
+        """Queue `request` on the engine `route(session, request)` picks."""
+        try:
+            validate_request(request, self.vocab_size, self.max_model_len)
+            index = self.route(session, request)
+        except Exception as exc:
+            future: Future[GenerationResult] = Future()
+            future.set_exception(exc)
+            return future
+        return self.generate_on(index, request)
+
+    def generate_on(self, index: int, request: GenerationRequest) -> Future[GenerationResult]:
+        """Queue `request` on engine `index` itself (no routing; for tests and debugging)."""
+        out: Future[GenerationResult] = Future()
+        rows = request.num_samples
+        with self._lock:
+            dead = self._dead.get(index)
+            if dead is None:
+                self._loads[index] += rows
+                self.requests_per_engine[index] += 1
+        if dead is not None:
+            out.set_exception(EngineDiedError(dead))
+            return out
+
+        def done(ref_future: Future) -> None:
+            with self._lock:
+                self._loads[index] -= rows
+            if out.cancelled():
+                return
+            try:
+                result = ref_future.result()
+            except ray.exceptions.RayActorError as exc:
+                why = self._mark_dead(index, f"died: {brief(exc)}")
+                out.set_exception(EngineDiedError(f"{why} (this request was on it)"))
+            except BaseException as exc:
+                out.set_exception(cause_of(exc))
+            else:
+                out.set_result(result)
+
+        self._submit(index, "generate", request).future().add_done_callback(done)
+        return out
+
+    # ----- syncs --------------------------------------------------------------------------
+
+    def _broadcast(self, method: str, *args: Any) -> None:
+        """Run `method` on every live engine; return when all have applied it."""
+        refs = {i: self._submit(i, method, *args) for i in self._live()}
+        applied, errors = [], {}
+        for index, ref in refs.items():
+            try:
+                ray.get(ref)
+                applied.append(index)
+            except ray.exceptions.RayActorError as exc:
+                self._mark_dead(index, f"died during {method}: {brief(exc)}")
+            except ray.exceptions.RayError as exc:
+                errors[index] = cause_of(exc)
+        if errors:
+            first = errors[min(errors)]
+            if not applied and all(isinstance(e, InvalidRequestError) for e in errors.values()):
+                raise first  # refused before any change, everywhere
+            for index, exc in errors.items():
+                self._kill(index, f"was killed: it failed {method} ({brief(exc)})")
+            if not applied:
+                raise first
+        if not applied:
+            self._live()  # raises: every engine is dead
+
+    def update_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
+        if not isinstance(named_tensors, Mapping):
+            raise InvalidRequestError(
+                "named_tensors", f"is a {type(named_tensors).__name__}, not a name -> tensor dict"
+            )
+        tensors = {
+            name: t.detach().to(device="cpu", dtype=self._dtype)
+            if isinstance(t, torch.Tensor) and t.is_floating_point()
+            else t
+            for name, t in named_tensors.items()
+        }
+        ref = ray.put(tensors)  # once; every actor reads it from the object store
+        del tensors
+        self._broadcast("update_weights", ref)
+
+    def add_lora(self, name: str, adapter_dir: str) -> None:
+        folder = AdapterSet.check_folder(name, adapter_dir)
+        files = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+        self._broadcast("add_lora", name, ray.put(files))
+
+    def remove_lora(self, name: str) -> None:
+        self._broadcast("remove_lora", name)
+
+    def before_training(self) -> None:
+        """Colocated engines: sleep (after their requests in flight) until the next request or
+        sync wakes them. Separate engines: nothing."""
+        if self.config.engine_placement == "colocated":
+            self._broadcast("sleep")
+
+    def engine_stats(self) -> list[dict | None]:
+        """Each engine's counters (None for a dead one)."""
+        out = []
+        for actor in self._actors:
+            try:
+                out.append(ray.get(actor.stats.remote(), timeout=30))
+            except ray.exceptions.RayError:
+                out.append(None)
+        return out
+
+    def shutdown(self) -> None:
+        """Kill the engine actors and free their placement group (idempotent)."""
+        for index in range(len(self._actors)):
+            self._kill(index, "was shut down", log=False)
+        if self._pg is not None:
+            with contextlib.suppress(Exception):
+                remove_placement_group(self._pg)
+            self._pg = None

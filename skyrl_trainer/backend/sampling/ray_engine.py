@@ -1,0 +1,132 @@
+"""One sampling engine replica inside a Ray actor: the actor side of `engine_pool.EnginePool`.
+
+What it promises:
+- It builds the engine `sampling.engine` names exactly as the in-process path does
+  (`samplers.make_sampling_engine`, same seed handling), so replicas given the same weights return
+  the same tokens for the same seeded request.
+- Calls take effect in the order the pool numbered them (`seq`), whatever order Ray runs them in
+  (an async actor runs its calls concurrently and keeps no order): a request numbered before a
+  weight update is queued in the engine before it, so it is served by the old weights; anything
+  numbered after an update, adapter change or sleep waits until that has been applied.
+- Weights arrive as tensors (Ray resolves the object-store reference); adapters as the bytes of a
+  PEFT folder's files, written to a scratch folder of this actor's node, so no storage is shared.
+- `sleep` (colocated engines) uses the engine's own sleep mode where it has one (vLLM on GPU);
+  the next request or sync wakes it first. The PyTorch engine has none: it only records the state.
+- Every result says which engine served it (`GenerationResult.extra["engine"]`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from skyrl_trainer.backend.config import SamplingConfig
+from skyrl_trainer.backend.sampling.engine import GenerationRequest, GenerationResult
+
+
+class EngineActor:
+    """A sampling engine and the turn-taking that keeps the pool's call order."""
+
+    def __init__(
+        self, model_dir: str, config: SamplingConfig, lora: bool, index: int, sleep_mode: bool
+    ):
+        from skyrl_trainer.backend.samplers import make_sampling_engine
+
+        # The PyTorch engine takes the caller's thread count: one per reserved CPU.
+        torch.set_num_threads(max(1, int(config.num_cpus_per_engine)))
+        self.index = index
+        self.engine = make_sampling_engine(
+            Path(model_dir), replace(config, num_engines=1), lora=lora, sleep_mode=sleep_mode
+        )
+        self._next_seq = 0
+        self._turns = asyncio.Condition()
+        self._asleep = False
+        self._counts = {"requests": 0, "weight_updates": 0, "adapter_loads": 0, "sleeps": 0}
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self._scratch = Path(tempfile.mkdtemp(prefix=f"skyrl-engine{index}-", dir=shm))
+
+    def describe(self) -> dict:
+        return {
+            "vocab_size": int(self.engine.vocab_size),
+            "max_model_len": int(self.engine.max_model_len),
+            "pid": os.getpid(),
+        }
+
+    def stats(self) -> dict:
+        return {**self._counts, "asleep": self._asleep}
+
+    @contextlib.asynccontextmanager
+    async def _turn(self, seq: int):
+        """Run the body when every call numbered before `seq` has taken its turn."""
+        async with self._turns:
+            await self._turns.wait_for(lambda: self._next_seq == seq)
+        try:
+            yield
+        finally:
+            async with self._turns:
+                self._next_seq += 1
+                self._turns.notify_all()
+
+    async def _wake(self) -> None:
+        if self._asleep:
+            wake_up = getattr(self.engine, "wake_up", None)
+            if wake_up is not None:
+                await asyncio.to_thread(wake_up)
+            self._asleep = False
+
+    async def generate(self, seq: int, request: GenerationRequest) -> GenerationResult:
+        async with self._turn(seq):
+            await self._wake()
+            future = self.engine.generate(request)  # queued in the engine in turn order
+            self._counts["requests"] += 1
+        result = await asyncio.wrap_future(future)
+        result.extra["engine"] = self.index
+        return result
+
+    async def update_weights(self, seq: int, named_tensors: dict[str, torch.Tensor]) -> None:
+        async with self._turn(seq):
+            await self._wake()
+            await asyncio.to_thread(self.engine.update_weights, named_tensors)
+            self._counts["weight_updates"] += 1
+
+    async def add_lora(self, seq: int, name: str, files: dict[str, bytes]) -> None:
+        async with self._turn(seq):  # first thing: a failure must not skip the turn
+            folder = Path(tempfile.mkdtemp(dir=self._scratch))
+            try:
+                for file_name, data in files.items():
+                    (folder / file_name).write_bytes(data)
+                await self._wake()
+                # Both engines have read (or copied) the folder when add_lora returns.
+                await asyncio.to_thread(self.engine.add_lora, name, str(folder))
+                self._counts["adapter_loads"] += 1
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+
+    async def remove_lora(self, seq: int, name: str) -> None:
+        async with self._turn(seq):
+            await asyncio.to_thread(self.engine.remove_lora, name)
+
+    async def sleep(self, seq: int) -> None:
+        async with self._turn(seq):
+            if not self._asleep:
+                sleep = getattr(self.engine, "sleep", None)
+                if sleep is not None:  # waits for the requests in flight to finish
+                    await asyncio.to_thread(sleep)
+                self._asleep = True
+                self._counts["sleeps"] += 1
+
+    async def skip(self, seq: int) -> None:
+        """Take turn `seq` doing nothing (the pool numbered a call it could not send)."""
+        async with self._turn(seq):
+            pass
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+        shutil.rmtree(self._scratch, ignore_errors=True)
