@@ -13,7 +13,6 @@ from one process by float rounding (grad norm ~1e-7 relative), which can move a 
 
 import json
 import math
-import os
 
 import pytest
 import torch
@@ -27,17 +26,6 @@ from .test_loop import REWARD_MODULE, comparable, make_config
 ray = pytest.importorskip("ray")
 
 STEPS = 3
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module", autouse=True)

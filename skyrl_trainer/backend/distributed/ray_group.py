@@ -40,6 +40,7 @@ from skyrl_trainer.backend import lora as lora_lib
 from skyrl_trainer.backend.config import TrainingConfig
 from skyrl_trainer.backend.datums import TrainingExample
 from skyrl_trainer.backend.distributed import ray_cluster
+from skyrl_trainer.backend.distributed.actor_errors import brief, cause_of
 from skyrl_trainer.backend.distributed.partition import partition_by_tokens
 from skyrl_trainer.backend.distributed.replica import TrainingReplica
 from skyrl_trainer.backend.errors import InvalidRequestError
@@ -60,18 +61,6 @@ _ReplicaActor = ray.remote(max_restarts=0, max_task_retries=0)(TrainingReplica)
 
 class WorkerGroupError(RuntimeError):
     """A training worker died or the group broke; the group refuses every later call."""
-
-
-def _cause(exc: BaseException) -> BaseException:
-    """The exception a worker raised (RayTaskError wraps it)."""
-    cause = getattr(exc, "cause", None)
-    return cause if isinstance(cause, BaseException) else exc
-
-
-def _brief(exc: BaseException, limit: int = 600) -> str:
-    text = " ".join(str(exc).split()).rstrip(".")
-    text = f"{type(exc).__name__}: {text}"
-    return text if len(text) <= limit else text[:limit] + " ..."
 
 
 def _check_config(config: TrainingConfig) -> None:
@@ -212,7 +201,7 @@ class RayTrainingWorkerGroup:
                 if grace_until is not None:
                     first = min(errors)
                     self._fail(
-                        f"{self._worker(first)} failed in {method} ({_brief(errors[first])}) and "
+                        f"{self._worker(first)} failed in {method} ({brief(errors[first])}) and "
                         f"rank(s) {stuck} did not finish within training.collective_timeout_s"
                     )
                 self._fail(
@@ -224,13 +213,13 @@ class RayTrainingWorkerGroup:
                 try:
                     results[rank] = ray.get(ref)
                 except ray.exceptions.RayTaskError as exc:
-                    errors[rank] = _cause(exc)
+                    errors[rank] = cause_of(exc)
                     if grace_until is None:
                         grace_until = (
                             time.monotonic() + self.config.collective_timeout_s + COLLECTIVE_GRACE_S
                         )
                 except ray.exceptions.RayError as exc:  # actor died, its node was lost, ...
-                    self._fail(f"{self._worker(rank)} died during {method}: {_brief(exc)}")
+                    self._fail(f"{self._worker(rank)} died during {method}: {brief(exc)}")
         if not errors:
             return results
         first = errors[min(errors)]
@@ -238,7 +227,7 @@ class RayTrainingWorkerGroup:
             isinstance(e, InvalidRequestError) for e in errors.values()
         )
         if fatal and not refused:
-            self._fail(f"{self._worker(min(errors))} failed in {method}: {_brief(first)}")
+            self._fail(f"{self._worker(min(errors))} failed in {method}: {brief(first)}")
         raise first
 
     def _call_all(self, method: str, *args: Any, fatal: bool) -> list[Any]:

@@ -19,6 +19,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from skyrl_trainer.backend.config import SamplingConfig
+from skyrl_trainer.backend.distributed.actor_errors import brief, cause_of
 from skyrl_trainer.backend.sampling.ray_engine import EngineActor
 from skyrl_trainer.typed_config import ConfigError
 
@@ -32,17 +33,6 @@ _EngineActor = ray.remote(max_restarts=0, max_task_retries=0)(EngineActor)
 
 class EngineDiedError(RuntimeError):
     """A sampling engine actor died, failed to start, or was killed after a failed sync."""
-
-
-def cause_of(exc: BaseException) -> BaseException:
-    """The exception an actor method raised (Ray's RayTaskError wraps it)."""
-    cause = getattr(exc, "cause", None)
-    return cause if isinstance(cause, BaseException) else exc
-
-
-def brief(exc: BaseException, limit: int = 400) -> str:
-    text = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
-    return text if len(text) <= limit else text[:limit] + " ..."
 
 
 def check_config(config: SamplingConfig) -> None:

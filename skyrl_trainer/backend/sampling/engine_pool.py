@@ -46,16 +46,11 @@ from ray.util.placement_group import remove_placement_group
 
 from skyrl_trainer.backend.config import RayConfig, SamplingConfig
 from skyrl_trainer.backend.distributed import ray_cluster
+from skyrl_trainer.backend.distributed.actor_errors import brief, cause_of
 from skyrl_trainer.backend.errors import InvalidRequestError
 from skyrl_trainer.backend.model_loading import load_tokenizer, parse_dtype
 from skyrl_trainer.backend.sampling.engine import GenerationRequest, GenerationResult
-from skyrl_trainer.backend.sampling.engine_launch import (
-    EngineDiedError,
-    brief,
-    cause_of,
-    check_config,
-    launch,
-)
+from skyrl_trainer.backend.sampling.engine_launch import EngineDiedError, check_config, launch
 from skyrl_trainer.backend.sampling.torch_requests import validate_request
 from skyrl_trainer.backend.sampling.torch_weights import AdapterSet
 

@@ -42,17 +42,6 @@ LOGPROB_TOL = 1e-4  # sampler vs learner, float32 (measured ~1e-6)
 TRAINED_MIN_GAP = 1e-2  # the base weights are at least this far from the trained ones
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
-
-
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
     threads = torch.get_num_threads()

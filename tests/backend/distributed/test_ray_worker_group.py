@@ -50,17 +50,6 @@ CE = get_loss("cross_entropy")
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def group(ray_session, tiny_model_dir):
     group = RayTrainingWorkerGroup(tiny_model_dir, TrainingConfig(**GROUP_CONFIG))
     yield group
