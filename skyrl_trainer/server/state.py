@@ -135,6 +135,30 @@ class ServerState:
             begin()
         return request_id
 
+    def respond_with_future(
+        self,
+        request: Request,
+        owner: str,
+        request_type: str,
+        run: Callable[[], Future],
+        encode: Encoder,
+        *,
+        model_id: str | None = None,
+        seq_id: int | None = None,
+        future_model_id: str | None = None,
+    ) -> dict:
+        """Start a training request (once per X-Idempotency-Key) and answer with its future.
+        `model_id` orders it among the model's requests; `future_model_id` (default `model_id`)
+        is the model the answer names."""
+
+        def respond() -> dict:
+            request_id = self.start(
+                owner, request_type, run, encode, model_id=model_id, seq_id=seq_id
+            )
+            return future_response(request_id, future_model_id or model_id)
+
+        return self.idempotent(request, owner, respond)
+
     def idempotent(self, request: Request, owner: str, respond: Callable[[], dict]) -> dict:
         """`respond()`, or the answer already given to this X-Idempotency-Key: an SDK retry
         of a request whose response was lost must not run it twice."""

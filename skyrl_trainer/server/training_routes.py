@@ -20,7 +20,7 @@ from skyrl_trainer.server.codec import (
 )
 from skyrl_trainer.server.future_tracker import PROTOBUF, json_result
 from skyrl_trainer.server.http_errors import ApiError
-from skyrl_trainer.server.state import ServerState, future_response
+from skyrl_trainer.server.state import ServerState
 
 router = APIRouter(prefix="/api/v1")
 
@@ -71,22 +71,20 @@ async def create_model(request: Request, owner: str = Depends(authenticate)):
         state.sequencer.start_model(created_id)
         return json_result(types.CreateModelResponse(model_id=created_id))
 
-    def respond() -> dict:
-        request_id = state.start(
-            owner,
-            "CreateModel",
-            lambda: state.core.create_model(
-                body.session_id,
-                body.base_model,
-                body.lora_config,
-                body.user_metadata,
-                model_seq_id=body.model_seq_id,
-            ),
-            encode,
-        )
-        return future_response(request_id, model_id)
-
-    return state.idempotent(request, owner, respond)
+    return state.respond_with_future(
+        request,
+        owner,
+        "CreateModel",
+        lambda: state.core.create_model(
+            body.session_id,
+            body.base_model,
+            body.lora_config,
+            body.user_metadata,
+            model_seq_id=body.model_seq_id,
+        ),
+        encode,
+        future_model_id=model_id,
+    )
 
 
 @router.post("/get_info")
@@ -114,20 +112,17 @@ async def forward_backward(request: Request, owner: str = Depends(authenticate))
             "Python callable (computed by the SDK) works",
         )
 
-    def respond() -> dict:
-        request_id = state.start(
-            owner,
-            "Forward" if call.forward_only else "ForwardBackward",
-            lambda: state.core.forward_backward(
-                call.model_id, call.data, call.loss_fn, call.loss_fn_config, call.forward_only
-            ),
-            lambda out: (PROTOBUF, encode_forward_backward_output(out)),
-            model_id=call.model_id,
-            seq_id=call.seq_id,
-        )
-        return future_response(request_id, call.model_id)
-
-    return state.idempotent(request, owner, respond)
+    return state.respond_with_future(
+        request,
+        owner,
+        "Forward" if call.forward_only else "ForwardBackward",
+        lambda: state.core.forward_backward(
+            call.model_id, call.data, call.loss_fn, call.loss_fn_config, call.forward_only
+        ),
+        lambda out: (PROTOBUF, encode_forward_backward_output(out)),
+        model_id=call.model_id,
+        seq_id=call.seq_id,
+    )
 
 
 @router.post("/optim_step")
@@ -140,18 +135,15 @@ async def optim_step(request: Request, owner: str = Depends(authenticate)):
             400, "optimizer_params", "this optimizer is not supported; the server trains with AdamW"
         )
 
-    def respond() -> dict:
-        request_id = state.start(
-            owner,
-            "OptimStep",
-            lambda: state.core.optim_step(body.model_id, body.optim_params),
-            json_result,
-            model_id=body.model_id,
-            seq_id=body.seq_id,
-        )
-        return future_response(request_id, body.model_id)
-
-    return state.idempotent(request, owner, respond)
+    return state.respond_with_future(
+        request,
+        owner,
+        "OptimStep",
+        lambda: state.core.optim_step(body.model_id, body.optim_params),
+        json_result,
+        model_id=body.model_id,
+        seq_id=body.seq_id,
+    )
 
 
 @router.post("/save_weights")
@@ -169,24 +161,21 @@ async def save_weights(request: Request, owner: str = Depends(authenticate)):
         )  # fmt: skip
         return json_result(saved)
 
-    def respond() -> dict:
-        request_id = state.start(
-            owner,
-            "SaveWeights",
-            lambda: state.core.save_state(
-                body.model_id,
-                body.path,
-                overwrite=body.overwrite,
-                ttl_seconds=body.ttl_seconds,
-                user_metadata=body.user_metadata,
-            ),
-            encode,
-            model_id=body.model_id,
-            seq_id=body.seq_id,
-        )
-        return future_response(request_id, body.model_id)
-
-    return state.idempotent(request, owner, respond)
+    return state.respond_with_future(
+        request,
+        owner,
+        "SaveWeights",
+        lambda: state.core.save_state(
+            body.model_id,
+            body.path,
+            overwrite=body.overwrite,
+            ttl_seconds=body.ttl_seconds,
+            user_metadata=body.user_metadata,
+        ),
+        encode,
+        model_id=body.model_id,
+        seq_id=body.seq_id,
+    )
 
 
 @router.post("/save_weights_for_sampler")
@@ -213,20 +202,17 @@ async def save_weights_for_sampler(request: Request, owner: str = Depends(authen
             types.SaveWeightsForSamplerResponseInternal(path=path, sampling_session_id=sampler_id)
         )
 
-    def respond() -> dict:
-        request_id = state.start(
-            owner,
-            "SaveWeightsForSampler",
-            lambda: state.core.save_weights_for_sampler(
-                body.model_id, body.path, body.ttl_seconds, body.user_metadata
-            ),
-            encode,
-            model_id=body.model_id,
-            seq_id=body.seq_id,
-        )
-        return future_response(request_id, body.model_id)
-
-    return state.idempotent(request, owner, respond)
+    return state.respond_with_future(
+        request,
+        owner,
+        "SaveWeightsForSampler",
+        lambda: state.core.save_weights_for_sampler(
+            body.model_id, body.path, body.ttl_seconds, body.user_metadata
+        ),
+        encode,
+        model_id=body.model_id,
+        seq_id=body.seq_id,
+    )
 
 
 @router.post("/load_weights")
@@ -265,15 +251,13 @@ async def load_weights(request: Request, owner: str = Depends(authenticate)):
             state.sequencer.start_model(created_id)
             return json_result(types.LoadWeightsResponse(path=body.path, model_id=created_id))
 
-    def respond() -> dict:
-        request_id = state.start(
-            owner,
-            "LoadWeights",
-            run,
-            encode,
-            model_id=body.model_id,
-            seq_id=body.seq_id if body.model_id is not None else None,
-        )
-        return future_response(request_id, model_id)
-
-    return state.idempotent(request, owner, respond)
+    return state.respond_with_future(
+        request,
+        owner,
+        "LoadWeights",
+        run,
+        encode,
+        model_id=body.model_id,
+        seq_id=body.seq_id if body.model_id is not None else None,
+        future_model_id=model_id,
+    )
