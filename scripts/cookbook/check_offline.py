@@ -12,7 +12,6 @@ import datasets
 import torch
 from tinker import types
 from tinker.types.tensor_data import TensorData
-
 from tinker_cookbook import model_info, renderers
 from tinker_cookbook.recipes.rl_loop import get_reward, with_sampled_provenance
 from tinker_cookbook.supervised.common import compute_bpb, compute_mean_nll
@@ -24,21 +23,30 @@ tok = get_tokenizer(model_name)
 renderer_name = model_info.get_recommended_renderer_name(model_name)
 renderer = renderers.get_renderer(renderer_name, tok)
 stop = renderer.get_stop_sequences()
-print(f"model_name={model_name} renderer={renderer_name} stop={stop} vocab={len(tok)} eos={tok.eos_token_id}")
+print(
+    f"model_name={model_name} renderer={renderer_name} stop={stop} vocab={len(tok)} eos={tok.eos_token_id}"
+)
 
 # sl_loop's data path
 sl = datasets.load_dataset("HuggingFaceH4/no_robots")
 assert isinstance(sl, datasets.DatasetDict)
 rows = sl["train"].shuffle(seed=0).select(range(4))
 batch = [
-    conversation_to_datum(row["messages"], renderer, 512, renderers.TrainOnWhat.ALL_ASSISTANT_MESSAGES)
+    conversation_to_datum(
+        row["messages"], renderer, 512, renderers.TrainOnWhat.ALL_ASSISTANT_MESSAGES
+    )
     for row in rows
 ]
 fake_logprobs = [TensorData.from_torch(torch.full((d.model_input.length,), -2.0)) for d in batch]
 weights = [d.loss_fn_inputs["weights"] for d in batch]
 targets = [d.loss_fn_inputs["target_tokens"] for d in batch]
-nll, bpb = compute_mean_nll(fake_logprobs, weights), compute_bpb(fake_logprobs, weights, targets, tok)
-print(f"sl_loop: no_robots stand-in {sl.num_rows}; datum lengths {[d.model_input.length for d in batch]}; nll={nll:.2f}")
+nll, bpb = (
+    compute_mean_nll(fake_logprobs, weights),
+    compute_bpb(fake_logprobs, weights, targets, tok),
+)
+print(
+    f"sl_loop: no_robots stand-in {sl.num_rows}; datum lengths {[d.model_input.length for d in batch]}; nll={nll:.2f}"
+)
 
 # rl_loop's data path
 rl = datasets.load_dataset("openai/gsm8k", "main")
@@ -61,5 +69,7 @@ datum = types.Datum(
     },
 )
 with_sampled_provenance(datum, prompt.length, len(sampled), "seq-0")
-print(f"rl_loop: gsm8k {rl.num_rows}; prompt {prompt.length} tokens; parse={termination.value} reward={reward}")
+print(
+    f"rl_loop: gsm8k {rl.num_rows}; prompt {prompt.length} tokens; parse={termination.value} reward={reward}"
+)
 print("offline check passed")

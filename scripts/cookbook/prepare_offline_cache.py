@@ -74,7 +74,9 @@ def prepare_hub_repo(hub_dir: Path, repo_id: str, model_dir: Path, with_weights:
     for required in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         if not (model_dir / required).is_file():
             sys.exit(f"{model_dir} has no {required}: not a SmolLM2 Hugging Face folder")
-    weights = [model_dir / f for f in WEIGHT_FILES if (model_dir / f).is_file()] if with_weights else []
+    weights = (
+        [model_dir / f for f in WEIGHT_FILES if (model_dir / f).is_file()] if with_weights else []
+    )
     if with_weights and not weights:
         sys.exit(f"{model_dir} has no {WEIGHT_FILES}; pass --no-weights for a tokenizer-only cache")
     # The weights enter the hash by size and the conversion marker (hashing 0.5 GB on every run is slow).
@@ -224,12 +226,20 @@ def prepare_no_robots_standin(datasets_dir: Path, gsm8k_dir: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--hf-home", required=True, type=Path, help="the folder to use as HF_HOME")
     ap.add_argument("--model-dir", required=True, type=Path, help="SmolLM2 Hugging Face folder")
-    ap.add_argument("--repo-id", action="append", required=True, help="hub id to alias (repeatable)")
-    ap.add_argument("--gsm8k-dir", required=True, type=Path, help="folder with train.jsonl, test.jsonl")
-    ap.add_argument("--no-weights", action="store_true", help="tokenizer/config only in the hub cache")
+    ap.add_argument(
+        "--repo-id", action="append", required=True, help="hub id to alias (repeatable)"
+    )
+    ap.add_argument(
+        "--gsm8k-dir", required=True, type=Path, help="folder with train.jsonl, test.jsonl"
+    )
+    ap.add_argument(
+        "--no-weights", action="store_true", help="tokenizer/config only in the hub cache"
+    )
     args = ap.parse_args()
 
     hf_home = args.hf_home.resolve()
