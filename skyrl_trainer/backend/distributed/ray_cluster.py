@@ -7,7 +7,7 @@
   executor threads that may end. Start-up or joining that takes longer than
   `training.ray.connect_timeout_s` fails with a message naming the field, never hangs.
 - `gpus_per_worker` / `check_cluster_size`: what each worker reserves, and a fast refusal when
-  the whole cluster could never hold `training.num_workers` of them.
+  the whole cluster could never hold the actors asked for (training workers or sampling engines).
 """
 
 from __future__ import annotations
@@ -104,26 +104,34 @@ def worker_bundle(config: TrainingConfig) -> dict[str, float]:
     return bundle
 
 
-def check_cluster_size(config: TrainingConfig, bundle: dict[str, float]) -> None:
-    """Refuse at once when the cluster, even idle, cannot hold the workers. (Resources that
-    exist but are busy are waited for, up to `training.startup_timeout_s`.)"""
+def check_cluster_size(
+    count: int,
+    bundle: dict[str, float],
+    count_field: str,
+    resource_fields: dict[str, str],
+    startup_timeout_s: float,
+) -> None:
+    """Refuse at once when the cluster, even idle, cannot hold `count` actors of `bundle`.
+    Resources that exist but are busy are waited for, up to `startup_timeout_s`.
+    `count_field` / `resource_fields` name the config fields the message tells to change."""
     total = ray.cluster_resources()
     available = ray.available_resources()
-    fields = {"CPU": "training.num_cpus_per_worker", "GPU": "training.num_gpus_per_worker"}
-    for resource, per_worker in bundle.items():
-        need = per_worker * config.num_workers
+    for resource, each in bundle.items():
+        need = each * count
+        field = resource_fields[resource]
         if need > total.get(resource, 0.0) + 1e-9:
             raise ConfigError(
-                f"training.num_workers: {config.num_workers} workers x {per_worker:g} {resource} "
-                f"({fields[resource]}) need {need:g} {resource}, but the Ray cluster has "
-                f"{total.get(resource, 0.0):g} in total ({available.get(resource, 0.0):g} "
-                f"available). Lower training.num_workers or {fields[resource]}, or add nodes."
+                f"{count_field}: {count} x {each:g} {resource} ({field}) need {need:g} "
+                f"{resource}, but the Ray cluster has {total.get(resource, 0.0):g} in total "
+                f"({available.get(resource, 0.0):g} available). Lower {count_field} or {field}, "
+                "or add nodes."
             )
         if need > available.get(resource, 0.0) + 1e-9:
             logger.warning(
-                "training workers need %g %s, %g available now: waiting up to %g s",
+                "%s: need %g %s, %g available now: waiting up to %g s",
+                count_field,
                 need,
                 resource,
                 available.get(resource, 0.0),
-                config.startup_timeout_s,
+                startup_timeout_s,
             )

@@ -105,7 +105,13 @@ class RayTrainingWorkerGroup:
                 f"training.num_gpus_per_worker: is {bundle['GPU']:g}; CUDA workers need a whole "
                 "GPU each (NCCL refuses two ranks on one device)"
             )
-        ray_cluster.check_cluster_size(config, bundle)
+        ray_cluster.check_cluster_size(
+            config.num_workers,
+            bundle,
+            "training.num_workers",
+            {"CPU": "training.num_cpus_per_worker", "GPU": "training.num_gpus_per_worker"},
+            config.startup_timeout_s,
+        )
         try:
             self._start(bundle)
         except BaseException:

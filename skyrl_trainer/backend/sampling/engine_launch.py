@@ -19,6 +19,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from skyrl_trainer.backend.config import SamplingConfig
+from skyrl_trainer.backend.distributed import ray_cluster
 from skyrl_trainer.backend.distributed.actor_errors import brief, cause_of
 from skyrl_trainer.backend.sampling.ray_engine import EngineActor
 from skyrl_trainer.typed_config import ConfigError
@@ -66,21 +67,6 @@ def engine_bundle(config: SamplingConfig) -> dict[str, float]:
     return bundle
 
 
-def check_cluster(config: SamplingConfig, bundle: dict[str, float]) -> None:
-    """Refuse at once when even an idle cluster could not hold the engines."""
-    total = ray.cluster_resources()
-    fields = {"CPU": "num_cpus_per_engine", "GPU": "num_gpus_per_engine"}
-    for resource, each in bundle.items():
-        need = each * config.num_engines
-        if need > total.get(resource, 0.0) + 1e-9:
-            raise ConfigError(
-                f"sampling.num_engines: {config.num_engines} engines x {each:g} {resource} "
-                f"(sampling.{fields[resource]}) need {need:g}, but the Ray cluster has "
-                f"{total.get(resource, 0.0):g}. Lower sampling.num_engines or "
-                f"sampling.{fields[resource]}, or add nodes."
-            )
-
-
 @dataclass
 class Launched:
     placement_group: PlacementGroup
@@ -93,7 +79,13 @@ def launch(model_dir: Path, config: SamplingConfig, lora: bool) -> Launched:
     """Start the engine actors (see the module docstring); the caller has connected to Ray."""
     check_config(config)
     bundle = engine_bundle(config)
-    check_cluster(config, bundle)
+    ray_cluster.check_cluster_size(
+        config.num_engines,
+        bundle,
+        "sampling.num_engines",
+        {"CPU": "sampling.num_cpus_per_engine", "GPU": "sampling.num_gpus_per_engine"},
+        config.engine_startup_timeout_s,
+    )
     n, timeout = config.num_engines, config.engine_startup_timeout_s
     deadline = time.monotonic() + timeout
     pg = placement_group([dict(bundle)] * n, strategy="PACK")

@@ -326,3 +326,13 @@ def test_core_shutdown_kills_every_engine(core, base_sampler):
         base_sampler.sample(
             types.ModelInput.from_ints([5, 6]), 1, types.SamplingParams(max_tokens=2)
         ).result()
+
+
+def test_more_engines_than_the_cluster_holds_fails_fast(ray_session, tiny_model_dir):
+    from skyrl_trainer.typed_config import ConfigError
+
+    config = SamplingConfig(**{**POOL, "num_engines": 8, "num_cpus_per_engine": 1.0})
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=r"sampling\.num_engines.*sampling\.num_cpus_per_engine"):
+        EnginePool(tiny_model_dir, config)
+    assert time.monotonic() - start < 10
