@@ -9,6 +9,7 @@ into place, so an interrupted save never leaves a folder that loads.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import time
@@ -100,6 +101,18 @@ class CheckpointStore:
         if _is_expired(metadata):
             raise NotFoundError(field, f"checkpoint {tinker_path!r} has expired")
         return folder, CheckpointMetadata(**metadata)
+
+    def set_expiry(self, tinker_path: str, expires_at: float | None) -> None:
+        """Change when a checkpoint expires (None: never); its metadata file is replaced
+        atomically. A checkpoint that is not there is left alone."""
+        meta_file = self.folder_of(tinker_path) / METADATA_FILE
+        metadata = _read_metadata(meta_file.parent)
+        if metadata is None:
+            return
+        metadata["expires_at"] = expires_at
+        staging = meta_file.with_name(f".{METADATA_FILE}.{uuid.uuid4().hex[:8]}")
+        staging.write_text(json.dumps(metadata, indent=2))
+        os.replace(staging, meta_file)
 
     def delete(self, tinker_path: str) -> bool:
         """Remove a checkpoint (renamed aside first, so a half-deleted folder never loads).

@@ -4,17 +4,13 @@ checkpoint can be loaded (not changed) by anyone."""
 
 from __future__ import annotations
 
-import json
-import os
 import time
-import uuid
 from datetime import UTC, datetime
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel
 from tinker import types
 
-from skyrl_trainer.backend.checkpoints import METADATA_FILE
 from skyrl_trainer.server.auth import authenticate
 from skyrl_trainer.server.http_errors import ApiError
 from skyrl_trainer.server.state import ServerState
@@ -162,23 +158,9 @@ async def set_checkpoint_ttl(
     if body.ttl_seconds is not None and body.ttl_seconds <= 0:
         raise ApiError(400, "ttl_seconds", "must be positive, or null for no expiry")
     expires_at = time.time() + body.ttl_seconds if body.ttl_seconds else None
-    _write_expiry(state, row["tinker_path"], expires_at)
+    state.core.store.set_expiry(row["tinker_path"], expires_at)
     state.db.update_checkpoint(row["tinker_path"], expires_at=expires_at)
     return None
-
-
-def _write_expiry(state: ServerState, tinker_path: str, expires_at: float | None) -> None:
-    """The checkpoint's own metadata carries its expiry too (loading checks it there): keep it
-    equal to the database's, replacing the file atomically."""
-    meta_file = state.core.store.folder_of(tinker_path) / METADATA_FILE
-    try:
-        metadata = json.loads(meta_file.read_text())
-    except (OSError, ValueError):
-        return  # no checkpoint folder (left to housekeeping): nothing to keep in step
-    metadata["expires_at"] = expires_at
-    staging = meta_file.with_name(f".{METADATA_FILE}.{uuid.uuid4().hex[:8]}")
-    staging.write_text(json.dumps(metadata, indent=2))
-    os.replace(staging, meta_file)
 
 
 @router.post("/weights_info")

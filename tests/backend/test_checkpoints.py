@@ -183,6 +183,19 @@ def test_an_expired_checkpoint_frees_its_name(store):
     assert (store.resolve(path)[0] / "weights.bin").read_text() == "b"
 
 
+def test_set_expiry_and_delete(store):
+    path = store.write(RUN, "training", "ttl", metadata(expires_at=time.time() - 1), writer("a"))
+    store.set_expiry(path, None)  # an expired checkpoint made permanent again
+    assert store.resolve(path)[1].expires_at is None
+    store.set_expiry(path, time.time() - 1)
+    with pytest.raises(NotFoundError):
+        store.resolve(path)
+    store.set_expiry(f"tinker://{RUN}/weights/missing", None)  # nothing there: no error
+    assert store.delete(path) and not store.folder_of(path).exists()
+    assert not store.delete(path)
+    assert all_entries(store) == [RUN, f"{RUN}/weights"]
+
+
 @pytest.mark.parametrize("path", ["tinker://a/weights/..", "tinker://a/weights/.x"])
 def test_bad_name_segment_is_reported_with_the_callers_field(store, path):
     with pytest.raises(InvalidRequestError) as info:
