@@ -247,7 +247,7 @@ def run_mode(mode: str, a: argparse.Namespace) -> None:
         runs += [ours, trl]
     k = max(1, min(a.last_k, a.steps))
     summary = summarise(runs, k)
-    out = Path(a.out_dir) / f"grpo_vs_trl_{mode}.json"
+    out = Path(a.out_dir) / f"grpo_vs_trl_{mode}{'_' + a.tag if a.tag else ''}.json"
     record = {
         "benchmark": "grpo_vs_trl",
         "date": datetime.now().isoformat(timespec="seconds"),
@@ -301,6 +301,7 @@ def main() -> None:
     )
     p.add_argument("--last-k", type=int, default=5, help="reward averaged over the last K steps")
     p.add_argument("--out-dir", default=str(RESULTS))
+    p.add_argument("--tag", default="", help="results go to grpo_vs_trl_<mode>_<tag>.json/.png")
     a = p.parse_args()
     if a.group < 2:
         p.error("--group must be >= 2 (GRPO needs a group to compare)")

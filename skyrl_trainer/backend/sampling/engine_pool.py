@@ -51,8 +51,8 @@ from skyrl_trainer.backend.errors import InvalidRequestError
 from skyrl_trainer.backend.model_loading import load_tokenizer, parse_dtype
 from skyrl_trainer.backend.sampling.engine import GenerationRequest, GenerationResult
 from skyrl_trainer.backend.sampling.engine_launch import EngineDiedError, check_config, launch
+from skyrl_trainer.backend.sampling.torch_lora import AdapterSet
 from skyrl_trainer.backend.sampling.torch_requests import validate_request
-from skyrl_trainer.backend.sampling.torch_weights import AdapterSet
 
 __all__ = ["EngineDiedError", "EnginePool"]
 

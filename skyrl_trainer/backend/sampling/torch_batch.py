@@ -18,8 +18,8 @@ import torch
 
 from skyrl_trainer.backend.sampling.kv_cache import SlotKVCache
 from skyrl_trainer.backend.sampling.row_sampling import SamplingSettings, sample_tokens
+from skyrl_trainer.backend.sampling.torch_lora import AdapterSet
 from skyrl_trainer.backend.sampling.torch_requests import Pending, Row
-from skyrl_trainer.backend.sampling.torch_weights import AdapterSet
 
 logger = logging.getLogger(__name__)
 

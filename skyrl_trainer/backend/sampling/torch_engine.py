@@ -17,8 +17,8 @@ Dynamic batching, with requests merged into the running batch between decode ste
 Weight updates, and LoRA changes that affect requests in flight, are queued like requests: the loop
 admits what came before them, stops admitting, lets the running rows finish, applies the change, and
 goes on; so requests queued before see the old weights and requests queued after the new ones.
-LoRA adapters are PEFT adapters injected into the model; rows of different adapters run in separate
-groups (own cache, own forward), with the adapter switched on for its group's forwards only.
+LoRA adapters are merged into copies of the weights they adapt (`torch_lora`); rows of different
+adapters run in separate groups (own cache, own forward), each on its adapter's weights.
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ from skyrl_trainer.backend.sampling.engine import GenerationRequest, GenerationR
 from skyrl_trainer.backend.sampling.engine_control import EngineControl
 from skyrl_trainer.backend.sampling.kv_cache import SLOT_ATTENTION
 from skyrl_trainer.backend.sampling.torch_batch import BatchRunner, EngineStats, RowGroup, fail
+from skyrl_trainer.backend.sampling.torch_lora import AdapterSet
 from skyrl_trainer.backend.sampling.torch_requests import Pending, plan_prefill, validate_request
-from skyrl_trainer.backend.sampling.torch_weights import AdapterSet, WeightTable
+from skyrl_trainer.backend.sampling.torch_weights import WeightTable
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ class TorchSamplingEngine:
 
     @property
     def model(self) -> torch.nn.Module:
-        """The Hugging Face model (with LoRA layers injected while adapters are loaded)."""
+        """The Hugging Face model (its adapted layers hold merged weights while an adapter runs)."""
         return self.adapters.model
 
     # ------------------------------------------------------------------------------------------
@@ -138,7 +139,12 @@ class TorchSamplingEngine:
 
     def update_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
         plan = self.weights.plan(named_tensors)  # refuses bad names/shapes before any change
-        self._control(lambda: self.weights.apply(plan), must_wait=lambda taken: True)
+
+        def apply() -> None:
+            self.adapters.forget_merged()  # merged copies are of the old base weights
+            self.weights.apply(plan)
+
+        self._control(apply, must_wait=lambda taken: True)
 
     def add_lora(self, name: str, adapter_dir: str) -> None:
         folder = self.adapters.check_folder(name, adapter_dir)

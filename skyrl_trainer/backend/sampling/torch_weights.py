@@ -1,22 +1,17 @@
-"""The PyTorch sampling engine's weights: in-place base updates by name, and LoRA adapters.
+"""The PyTorch sampling engine's base weights, updated in place by name.
 
 `WeightTable` maps Hugging Face parameter names to the model's parameters (with `lm_head.weight` as
 an alias of the input embedding when they are tied) and checks a whole update before copying any
-of it. `AdapterSet` keeps PEFT LoRA adapters injected into the same model and switches between
-them (or off, for base-weight requests). Both are only mutated by the engine loop thread.
+of it. Only the engine loop thread applies updates. (LoRA adapters: `torch_lora`.)
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
-from pathlib import Path
 
 import torch
 
-from skyrl_trainer.backend.errors import InvalidRequestError, NotFoundError
-
-_UNSET = object()
+from skyrl_trainer.backend.errors import InvalidRequestError
 
 
 class WeightTable:
@@ -72,94 +67,3 @@ class WeightTable:
         with torch.no_grad():
             for param, tensor in plan:
                 param.copy_(tensor)
-
-
-class AdapterSet:
-    """PEFT LoRA adapters injected into the engine's model, and which one is switched on."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.model = model  # the Hugging Face model; PEFT modifies it in place
-        self.peft = None  # the PeftModel wrapping it while any adapter is loaded
-        self.folders: dict[str, Path] = {}
-        self._active: object = _UNSET  # adapter name switched on, None = all off
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.folders
-
-    def unknown(self, name: str) -> NotFoundError:
-        loaded = ", ".join(repr(n) for n in self.folders) or "none"
-        return NotFoundError(
-            "adapter",
-            f"no LoRA adapter named {name!r} is loaded (loaded: {loaded}); add_lora it first",
-        )
-
-    @staticmethod
-    def check_folder(name: str, adapter_dir: str | Path) -> Path:
-        """The adapter folder, if it looks like a PEFT LoRA adapter; InvalidRequestError if not."""
-        if not isinstance(name, str) or not name:
-            raise InvalidRequestError("name", f"is {name!r}; an adapter name is a non-empty string")
-        folder = Path(adapter_dir)
-        config_file = folder / "adapter_config.json"
-        if not config_file.is_file():
-            raise InvalidRequestError("adapter_dir", f"{str(folder)!r} has no adapter_config.json")
-        if not any(
-            (folder / f).is_file() for f in ("adapter_model.safetensors", "adapter_model.bin")
-        ):
-            raise InvalidRequestError(
-                "adapter_dir", f"{str(folder)!r} has no adapter_model.safetensors"
-            )
-        try:
-            peft_type = json.loads(config_file.read_text()).get("peft_type")
-        except (OSError, ValueError, AttributeError) as exc:
-            raise InvalidRequestError(
-                "adapter_dir", f"unreadable adapter_config.json: {exc}"
-            ) from exc
-        if str(peft_type).upper() != "LORA":
-            raise InvalidRequestError("adapter_dir", f"peft_type is {peft_type!r}, not 'LORA'")
-        return folder
-
-    def load(self, name: str, folder: Path) -> None:
-        """Load (or replace) adapter `name` from `folder`."""
-        from peft import PeftModel
-
-        self._active = _UNSET
-        if name in self.folders and len(self.folders) == 1:
-            self._unload()
-        elif name in self.folders:
-            self.peft.delete_adapter(name)
-            del self.folders[name]
-        if self.peft is None:
-            self.peft = PeftModel.from_pretrained(
-                self.model, str(folder), adapter_name=name, is_trainable=False
-            )
-        else:
-            self.peft.load_adapter(str(folder), adapter_name=name, is_trainable=False)
-        self.peft.eval()
-        self.folders[name] = folder
-
-    def remove(self, name: str) -> None:
-        if name not in self.folders:
-            raise self.unknown(name)
-        self._active = _UNSET
-        if len(self.folders) == 1:
-            self._unload()
-        else:
-            self.peft.delete_adapter(name)
-            del self.folders[name]
-
-    def _unload(self) -> None:
-        """Take all LoRA layers out of the model (the base parameters are untouched)."""
-        self.model = self.peft.unload()
-        self.peft = None
-        self.folders.clear()
-
-    def activate(self, name: str | None) -> None:
-        """Switch adapter `name` on for the next forwards (None: base weights only)."""
-        if self.peft is None or name == self._active:
-            return
-        if name is None:
-            self.peft.base_model.disable_adapter_layers()
-        else:
-            self.peft.base_model.enable_adapter_layers()
-            self.peft.set_adapter(name, inference_mode=True)
-        self._active = name
