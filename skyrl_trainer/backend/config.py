@@ -78,6 +78,9 @@ class SamplingConfig:
     """Cap on `sampling_params.max_tokens` (also bounded by the context length)."""
     max_lora_snapshots: int = 8
     """LoRA snapshots kept live per model; sessions bound to older ones get a clear error."""
+    max_merged_lora: int = 2
+    """PyTorch engine: adapters kept merged into a copy of the weights they adapt (each costs that
+    much memory); a request for another adapter merges it anew (~0.5 s for SmolLM2 r32 on CPU)."""
     max_lora_rank: int = 32
     """vLLM: the largest LoRA rank it serves (one of 8, 16, 32, 64, 128, 256, 320, 512)."""
     kv_cache_gib: float | None = None

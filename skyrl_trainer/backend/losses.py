@@ -80,6 +80,10 @@ class LossSpec:
     required_inputs: tuple[str, ...]  # loss_fn_inputs keys needed besides "target_tokens"
     optional_inputs: tuple[str, ...] = ()  # keys accepted but not needed
     config_defaults: dict[str, float] = field(default_factory=dict)  # allowed config keys
+    gradient_weight_input: str | None = None
+    """An input the loss's gradient is proportional to, token by token (advantages, weights): a
+    datum where it is all zero adds exactly nothing to the gradient, so the workers run only its
+    forward. None: no such input (dro's penalty has a gradient whatever the advantages)."""
 
 
 LOSS_FNS: dict[str, LossSpec] = {}
@@ -91,6 +95,7 @@ def register_loss(
     required_inputs: tuple[str, ...] | list[str],
     optional_inputs: tuple[str, ...] | list[str] = (),
     config_defaults: Mapping[str, float] | None = None,
+    gradient_weight_input: str | None = None,
     replace: bool = False,
 ) -> Callable[[LossFn], LossFn]:
     """Decorator: register `fn` as the loss `name` in `LOSS_FNS` and return `fn` unchanged.
@@ -107,6 +112,7 @@ def register_loss(
             required_inputs=tuple(required_inputs),
             optional_inputs=tuple(optional_inputs),
             config_defaults={k: float(v) for k, v in (config_defaults or {}).items()},
+            gradient_weight_input=gradient_weight_input,
         )
         return fn
 
@@ -258,7 +264,7 @@ _CLIP_INPUTS = (CLIP_LOW, CLIP_HIGH)
 # The built-in losses
 
 
-@register_loss("cross_entropy", required_inputs=("weights",))
+@register_loss("cross_entropy", required_inputs=("weights",), gradient_weight_input="weights")
 def cross_entropy(
     lp: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict[str, float]
 ) -> torch.Tensor:
@@ -266,7 +272,9 @@ def cross_entropy(
     return -(lp * _input(inputs, "weights", lp)).sum()
 
 
-@register_loss("importance_sampling", required_inputs=_RL_INPUTS)
+@register_loss(
+    "importance_sampling", required_inputs=_RL_INPUTS, gradient_weight_input="advantages"
+)
 def importance_sampling(
     lp: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict[str, float]
 ) -> torch.Tensor:
@@ -278,7 +286,11 @@ def importance_sampling(
 
 
 @register_loss(
-    "ppo", required_inputs=_RL_INPUTS, optional_inputs=_CLIP_INPUTS, config_defaults=_CLIP_DEFAULTS
+    "ppo",
+    required_inputs=_RL_INPUTS,
+    optional_inputs=_CLIP_INPUTS,
+    config_defaults=_CLIP_DEFAULTS,
+    gradient_weight_input="advantages",
 )
 def ppo(
     lp: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict[str, float]
@@ -296,6 +308,7 @@ def ppo(
     required_inputs=_RL_INPUTS,
     optional_inputs=_CLIP_INPUTS,
     config_defaults=_CLIP_DEFAULTS,
+    gradient_weight_input="advantages",
 )
 def cispo(
     lp: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict[str, float]
@@ -336,6 +349,7 @@ def dro(
     required_inputs=(*_RL_INPUTS, "sequence_ratio_mask"),
     optional_inputs=_CLIP_INPUTS,
     config_defaults=_CLIP_DEFAULTS,
+    gradient_weight_input="advantages",
 )
 def gspo(
     lp: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict[str, float]

@@ -95,6 +95,7 @@ def make_sampling_engine(
             dtype=config.dtype,
             device=config.device,
             max_batch_size=config.max_batch_size,
+            max_merged_adapters=config.max_merged_lora,
             num_threads=torch.get_num_threads(),
         )
     raise InvalidRequestError(

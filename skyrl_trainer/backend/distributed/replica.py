@@ -41,7 +41,6 @@ from skyrl_trainer.backend.config import TrainingConfig
 from skyrl_trainer.backend.datums import TrainingExample
 from skyrl_trainer.backend.errors import InvalidRequestError
 from skyrl_trainer.backend.losses import LossSpec
-from skyrl_trainer.backend.micro_batches import plan_micro_batches
 from skyrl_trainer.backend.model_loading import load_causal_lm
 from skyrl_trainer.backend.optimizer import adam_step, make_adamw
 from skyrl_trainer.backend.training_worker import (
@@ -177,14 +176,17 @@ class TrainingReplica(TrainingWorker):
         logprobs: list[torch.Tensor | None] = [None] * len(examples)
         loss_sum = 0.0
         try:
-            plan = plan_micro_batches([e.length for e in examples], self.config.micro_batch_tokens)
-            for indices in plan:
+            # Sharded ranks must all run the same backwards (their collectives pair up), so only
+            # replicated models skip the backward of zero-gradient datums.
+            sharded = isinstance(slot, _ShardedSlot)
+            plan = self._micro_batch_plan(examples, spec, backward, skip_zero_gradient=not sharded)
+            for indices, with_grad in plan:
                 batch = [examples[i] for i in indices]
-                lps, loss = self._forward_micro_batch(slot, batch, spec, loss_config, backward)
+                lps, loss = self._forward_micro_batch(slot, batch, spec, loss_config, with_grad)
                 loss_sum += loss
                 for i, lp in zip(indices, lps, strict=True):
                     logprobs[i] = lp
-            if isinstance(slot, _ShardedSlot):
+            if sharded:
                 for _ in range(num_micro_batches - len(plan)):
                     self._filler_micro_batch(slot, backward)
         except BaseException:

@@ -58,6 +58,7 @@ class TorchSamplingEngine:
         max_model_len: int | None = None,
         admission_window_s: float = 0.002,
         num_threads: int | None = None,
+        max_merged_adapters: int = 2,
     ):
         """Load the model and tokenizer of `model_dir` and start the engine thread.
 
@@ -70,6 +71,7 @@ class TorchSamplingEngine:
         - `admission_window_s`: when idle, how long to wait after a first request for others
           to arrive, so that a burst starts as one batch.
         - `num_threads`: torch threads of the engine thread (default: the caller's setting).
+        - `max_merged_adapters`: LoRA adapters kept merged into weight copies (`torch_lora`).
         """
         if str(device) == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -85,7 +87,7 @@ class TorchSamplingEngine:
         model.requires_grad_(False)
         model.set_attn_implementation(SLOT_ATTENTION)
         self.weights = WeightTable(model)
-        self.adapters = AdapterSet(model)
+        self.adapters = AdapterSet(model, max_merged=max_merged_adapters)
         config = model.config.get_text_config()
         context = config.max_position_embeddings
         window = getattr(config, "sliding_window", None)
