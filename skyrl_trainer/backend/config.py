@@ -106,6 +106,13 @@ class SamplingConfig:
     more rows in flight than the least loaded one."""
     engine_startup_timeout_s: float = 300.0
     """Most seconds for the engine actors' resources and start-up (num_engines > 1)."""
+    weight_sync: str = "object_store"
+    """How full weights reach engine actors (num_engines > 1). "object_store": put once in Ray's
+    object store, each engine reads them. "broadcast": a process group of the pool and its engines
+    (`sampling.weight_broadcast`; gloo on CPU, NCCL when the engines hold GPUs), tensors sent as
+    flat buckets. Tested with gloo on CPU; the NCCL path has not run on a GPU yet."""
+    weight_sync_timeout_s: float = 120.0
+    """"broadcast": most seconds a collective waits for a peer before it fails."""
 
 
 @dataclass

@@ -25,6 +25,7 @@ from skyrl_trainer.backend.sampling.ray_engine import EngineActor
 from skyrl_trainer.typed_config import ConfigError
 
 PLACEMENTS = ("separate", "colocated")
+WEIGHT_SYNCS = ("object_store", "broadcast")
 # Turn-taking (ray_engine) needs every call issued to an actor admitted at once: more concurrent
 # calls than requests a pool will ever have in flight on one engine.
 MAX_CALLS_IN_FLIGHT = 100_000
@@ -51,6 +52,12 @@ def check_config(config: SamplingConfig) -> None:
         raise ConfigError("sampling.affinity_prefix_tokens: must be >= 0")
     if not config.engine_startup_timeout_s > 0:
         raise ConfigError("sampling.engine_startup_timeout_s: must be > 0 seconds")
+    if config.weight_sync not in WEIGHT_SYNCS:
+        raise ConfigError(
+            f"sampling.weight_sync: {config.weight_sync!r} is not one of {WEIGHT_SYNCS}"
+        )
+    if not config.weight_sync_timeout_s > 0:
+        raise ConfigError("sampling.weight_sync_timeout_s: must be > 0 seconds")
 
 
 def engine_bundle(config: SamplingConfig) -> dict[str, float]:

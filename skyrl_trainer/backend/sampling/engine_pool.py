@@ -14,9 +14,11 @@ engine; the registry and the core cannot tell them apart. What the pool promises
   Results are concurrent Futures, like the in-process engines'.
 - syncs: `update_weights`, `add_lora` and `remove_lora` reach every live engine before they return,
   so any engine can serve any session. Full weights are put once in the Ray object store
-  (`ray.put`, on CPU in the sampling dtype) and each actor loads them from there: the working path
-  on CPU. On GPUs an NCCL broadcast from the trainer or CUDA IPC handles would skip the host round
-  trip; neither is built. Adapters travel as the bytes of the PEFT folder (no shared storage).
+  (`ray.put`, on CPU in the sampling dtype) and each actor loads them from there; or, with
+  `sampling.weight_sync: broadcast`, sent through a process group of the pool and its engines
+  (`weight_broadcast`: gloo on CPU, NCCL when the engines hold GPUs; the group is formed on first
+  use and again, with the live engines, after a failure). Adapters travel as the bytes of the
+  PEFT folder (no shared storage).
 - ordering: each actor applies calls in the order the pool issued them (`ray_engine`): a request
   issued before a sync is served by the old weights, one issued after by the new.
 - failure: an engine actor that dies fails its requests with `EngineDiedError` naming the engine
@@ -50,9 +52,15 @@ from skyrl_trainer.backend.distributed.actor_errors import brief, cause_of
 from skyrl_trainer.backend.errors import InvalidRequestError
 from skyrl_trainer.backend.model_loading import load_tokenizer, parse_dtype
 from skyrl_trainer.backend.sampling.engine import GenerationRequest, GenerationResult
-from skyrl_trainer.backend.sampling.engine_launch import EngineDiedError, check_config, launch
+from skyrl_trainer.backend.sampling.engine_launch import (
+    EngineDiedError,
+    check_config,
+    engine_bundle,
+    launch,
+)
 from skyrl_trainer.backend.sampling.torch_lora import AdapterSet
 from skyrl_trainer.backend.sampling.torch_requests import validate_request
+from skyrl_trainer.backend.sampling.weight_broadcast import WeightSender, pack, plan_buckets
 
 __all__ = ["EngineDiedError", "EnginePool"]
 
@@ -78,6 +86,9 @@ class EnginePool:
         self._loads = [0] * n  # rows (samples) in flight per engine
         self.requests_per_engine = [0] * n
         self._dead: dict[int, str] = {}
+        self._sync_lock = threading.Lock()  # broadcast updates share one process group
+        on_gpu = bool(engine_bundle(config).get("GPU")) and torch.cuda.is_available()
+        self._sender = WeightSender("nccl" if on_gpu else "gloo", config.weight_sync_timeout_s)
         self.tokenizer = load_tokenizer(model_dir)
         ray_cluster.connect(ray_config or RayConfig())
         launched = launch(self.model_dir, config, lora)
@@ -209,7 +220,15 @@ class EnginePool:
 
     def _broadcast(self, method: str, *args: Any) -> None:
         """Run `method` on every live engine; return when all have applied it."""
-        refs = {i: self._submit(i, method, *args) for i in self._live()}
+        self._collect(method, {i: self._submit(i, method, *args) for i in self._live()})
+
+    def _collect(
+        self, method: str, refs: dict[int, ray.ObjectRef], unchanged_on_error: bool = False
+    ) -> None:
+        """Wait for `method` on the engines of `refs`. Engines that died are marked dead; engines
+        that failed it while others applied it are killed (they would serve other weights). If
+        none applied it, the first error is raised; the engines that failed are killed too unless
+        a failure is known to change nothing (a refused request, or `unchanged_on_error`)."""
         applied, errors = [], {}
         for index, ref in refs.items():
             try:
@@ -221,8 +240,11 @@ class EnginePool:
                 errors[index] = cause_of(exc)
         if errors:
             first = errors[min(errors)]
-            if not applied and all(isinstance(e, InvalidRequestError) for e in errors.values()):
-                raise first  # refused before any change, everywhere
+            unchanged = unchanged_on_error or all(
+                isinstance(e, InvalidRequestError) for e in errors.values()
+            )
+            if not applied and unchanged:
+                raise first  # no engine changed
             for index, exc in errors.items():
                 self._kill(index, f"was killed: it failed {method} ({brief(exc)})")
             if not applied:
@@ -241,9 +263,63 @@ class EnginePool:
             else t
             for name, t in named_tensors.items()
         }
+        if self.config.weight_sync == "broadcast":
+            self._update_by_broadcast(tensors)
+            return
         ref = ray.put(tensors)  # once; every actor reads it from the object store
         del tensors
         self._broadcast("update_weights", ref)
+
+    def _update_by_broadcast(self, tensors: dict[str, Any]) -> None:
+        for name, tensor in tensors.items():
+            if not (isinstance(tensor, torch.Tensor) and tensor.is_floating_point()):
+                raise InvalidRequestError(
+                    f"named_tensors[{name!r}]", "is not a floating-point tensor"
+                )
+        with self._sync_lock:
+            live = self._live()
+            if self._sender.members != live or self._sender.group is None:
+                self._form_weight_group(live)
+            element_size = torch.empty((), dtype=self._dtype).element_size()
+            slots, sizes = plan_buckets(
+                {n: tuple(t.shape) for n, t in tensors.items()}, element_size
+            )
+            device = "cuda" if self._sender.backend == "nccl" else "cpu"
+            buckets = pack(tensors, slots, sizes, self._dtype, device)
+            refs = {
+                i: self._submit(i, "receive_weights", slots, sizes, self._dtype)
+                for i in self._sender.members
+            }
+            try:
+                self._sender.send(buckets)
+            except Exception as exc:  # the engines' side says which one failed and why
+                logger.warning("weight broadcast failed: %s", exc)
+            # A failed receive happens before the engine applies anything.
+            self._collect("update_weights", refs, unchanged_on_error=True)
+
+    def _form_weight_group(self, live: list[int]) -> None:
+        """A new process group of this process (rank 0) and the engines `live`."""
+        host, port = self._sender.address()
+        world = len(live) + 1
+        refs = {
+            i: self._submit(
+                i,
+                "join_weight_group",
+                host,
+                port,
+                rank,
+                world,
+                self._sender.backend,
+                self.config.weight_sync_timeout_s,
+            )
+            for rank, i in enumerate(live, start=1)
+        }
+        try:
+            self._sender.form(live, host, port)
+        except Exception as exc:
+            self._collect("join_weight_group", refs, unchanged_on_error=True)  # names who failed
+            raise EngineDiedError(f"forming the weight broadcast group failed: {exc}") from exc
+        self._collect("join_weight_group", refs, unchanged_on_error=True)
 
     def add_lora(self, name: str, adapter_dir: str) -> None:
         folder = AdapterSet.check_folder(name, adapter_dir)

@@ -8,8 +8,10 @@ What it promises:
   (an async actor runs its calls concurrently and keeps no order): a request numbered before a
   weight update is queued in the engine before it, so it is served by the old weights; anything
   numbered after an update, adapter change or sleep waits until that has been applied.
-- Weights arrive as tensors (Ray resolves the object-store reference); adapters as the bytes of a
-  PEFT folder's files, written to a scratch folder of this actor's node, so no storage is shared.
+- Weights arrive as tensors (Ray resolves the object-store reference) or, with
+  `sampling.weight_sync: broadcast`, through the pool's process group (`weight_broadcast`);
+  adapters as the bytes of a PEFT folder's files, written to a scratch folder of this actor's
+  node, so no storage is shared.
 - `sleep` (colocated engines) uses the engine's own sleep mode where it has one (vLLM on GPU);
   the next request or sync wakes it first. The PyTorch engine has none: it only records the state.
 - Every result says which engine served it (`GenerationResult.extra["engine"]`).
@@ -29,6 +31,7 @@ import torch
 
 from skyrl_trainer.backend.config import SamplingConfig
 from skyrl_trainer.backend.sampling.engine import GenerationRequest, GenerationResult
+from skyrl_trainer.backend.sampling.weight_broadcast import TensorSlot, WeightReceiver
 
 
 class EngineActor:
@@ -51,6 +54,7 @@ class EngineActor:
         self._counts = {"requests": 0, "weight_updates": 0, "adapter_loads": 0, "sleeps": 0}
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self._scratch = Path(tempfile.mkdtemp(prefix=f"skyrl-engine{index}-", dir=shm))
+        self._receiver = WeightReceiver()
 
     def describe(self) -> dict:
         return {
@@ -94,6 +98,24 @@ class EngineActor:
         async with self._turn(seq):
             await self._wake()
             await asyncio.to_thread(self.engine.update_weights, named_tensors)
+            self._counts["weight_updates"] += 1
+
+    async def join_weight_group(
+        self, seq: int, host: str, port: int, rank: int, world: int, backend: str, timeout_s: float
+    ) -> None:
+        async with self._turn(seq):
+            await asyncio.to_thread(
+                self._receiver.join, host, port, rank, world, backend, timeout_s
+            )
+
+    async def receive_weights(
+        self, seq: int, slots: list[TensorSlot], sizes: list[int], dtype: torch.dtype
+    ) -> None:
+        """Take part in the pool's broadcast of an update, then apply it (`weight_broadcast`)."""
+        async with self._turn(seq):
+            await self._wake()
+            tensors = await asyncio.to_thread(self._receiver.receive, slots, sizes, dtype)
+            await asyncio.to_thread(self.engine.update_weights, tensors)
             self._counts["weight_updates"] += 1
 
     async def add_lora(self, seq: int, name: str, files: dict[str, bytes]) -> None:

@@ -14,6 +14,7 @@ learner), keep the order of requests and syncs, and fail clearly and quickly whe
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -336,3 +337,52 @@ def test_more_engines_than_the_cluster_holds_fails_fast(ray_session, tiny_model_
     with pytest.raises(ConfigError, match=r"sampling\.num_engines.*sampling\.num_cpus_per_engine"):
         EnginePool(tiny_model_dir, config)
     assert time.monotonic() - start < 10
+
+
+def test_broadcast_weight_sync(ray_session, tiny_model_dir, tokenizer):
+    """`weight_sync: broadcast`: every engine serves each update exactly (float32 forward as the
+    reference); after an engine dies, the group is formed again with the live one."""
+    from skyrl_trainer.backend.model_loading import load_causal_lm
+
+    config = SamplingConfig(**POOL, weight_sync="broadcast", weight_sync_timeout_s=20)
+    pool = EnginePool(tiny_model_dir, config)
+    model = load_causal_lm(tiny_model_dir, torch.float32)
+    seq = tokenizer.encode("Once upon a time, in a land far away")
+
+    def expected() -> np.ndarray:
+        with torch.no_grad():
+            logp = model(torch.tensor([seq])).logits[0].log_softmax(-1)
+        return logp[:-1].gather(1, torch.tensor(seq[1:])[:, None])[:, 0].double().numpy()
+
+    def update(scale: float) -> None:
+        torch.manual_seed(int(scale * 100))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * scale)
+        pool.update_weights(model.state_dict())
+
+    def served(index: int) -> np.ndarray:
+        result = pool.generate_on(index, scoring(seq)).result(60)
+        return np.asarray(result.prompt_logprobs[1:], dtype=np.float64)
+
+    try:
+        before = served(0)
+        for round_ in (1, 2):
+            update(0.02)
+            want = expected()
+            assert np.abs(want - before).max() > TRAINED_MIN_GAP
+            for index in (0, 1):
+                np.testing.assert_allclose(served(index), want, rtol=0, atol=LOGPROB_TOL)
+            assert [s["weight_updates"] for s in pool.engine_stats()] == [round_, round_]
+        with pytest.raises(InvalidRequestError, match=r"named_tensors\['x'\]"):
+            pool.update_weights({"x": torch.zeros(2, dtype=torch.long)})
+
+        ray.kill(pool.actors[1], no_restart=True)
+        # Depending on timing the survivor applies this one, or the broadcast fails as a whole.
+        with contextlib.suppress(EngineDiedError, RuntimeError, ray.exceptions.RayError):
+            update(0.02)
+        update(0.02)  # a new group with the live engine
+        assert list(pool.dead_engines) == [1]
+        np.testing.assert_allclose(served(0), expected(), rtol=0, atol=LOGPROB_TOL)
+    finally:
+        pool.shutdown()
