@@ -1,8 +1,8 @@
 """Weight-sync latency: trainer weights -> sampling engine, in memory, on SmolLM2.
 
 Measures `TrainingClient.save_weights_and_get_sampling_client()` after a training step, for a
-LoRA model (rank 32, all layers: the adapter is written to a memory-backed folder and loaded
-into the shared base engine) and for full fine-tuning (all 135M parameters copied in place
+LoRA model (rank 32, all layers: the adapter is written to a memory-backed folder and read
+by the shared base engine, which merges it into a weight copy at its first forward) and for full fine-tuning (all 135M parameters copied in place
 into the model's own engine), and the first sample on the new weights (proof it serves them).
 
 Usage:  python benchmarks/weight_sync.py [--repeats 3] [--engine torch] [--out FILE]
