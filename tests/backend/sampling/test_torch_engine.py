@@ -13,6 +13,7 @@ from skyrl_trainer.backend.errors import InvalidRequestError, NotFoundError
 from skyrl_trainer.backend.model_loading import load_causal_lm
 from skyrl_trainer.backend.sampling.engine import GenerationParams, GenerationRequest
 from skyrl_trainer.backend.sampling.torch_engine import TorchSamplingEngine
+from tests.backend.sampling.lora_helpers import make_peft_adapter
 
 TIMEOUT = 120
 LOGPROB_TOL = 1e-4  # fp32; measured max |diff| is ~1e-6, a 1% weight change gives > 1e-2
@@ -352,17 +353,9 @@ def test_update_weights_waits_for_requests_in_flight(tiny_model_dir, prompts):
 
 
 def make_lora(model_dir, folder, seed: int, targets=("q_proj", "v_proj", "down_proj", "lm_head")):
-    from peft import LoraConfig, get_peft_model
-
-    model = load_causal_lm(model_dir, torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=list(targets)))
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.2)
-    peft_model.save_pretrained(str(folder))
-    return folder
+    return make_peft_adapter(
+        model_dir, folder, seed, randomize="lora_B", std=0.2, target_modules=list(targets)
+    )
 
 
 def peft_reference(model_dir, adapter_dir):

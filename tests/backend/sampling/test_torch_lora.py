@@ -4,31 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import PeftModel
 
 from skyrl_trainer.backend.errors import InvalidRequestError
 from skyrl_trainer.backend.model_loading import load_causal_lm
 from skyrl_trainer.backend.sampling.torch_lora import AdapterSet
+from tests.backend.sampling.lora_helpers import make_peft_adapter
 
 IDS = torch.tensor([[504, 2365, 6354, 16438, 30, 7]])
 TOL = {
     "atol": 1e-4,
     "rtol": 1e-4,
 }  # fp32 merged vs unmerged: summation order only; adapters move logits > 1e-2
-
-
-def make_adapter(model_dir, folder, seed: int, **lora_kwargs):
-    """A PEFT LoRA adapter with random (non-zero) B, saved to `folder`."""
-    config = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
-    config.update(lora_kwargs)
-    peft_model = get_peft_model(load_causal_lm(model_dir, torch.float32), LoraConfig(**config))
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_" in name:
-                param.normal_(0, 0.3)
-    peft_model.save_pretrained(str(folder))
-    return folder
 
 
 @torch.no_grad()
@@ -60,7 +47,7 @@ def model(tiny_model_dir):
     ids=["plain", "rslora+tied-lm_head", "rank/alpha patterns"],
 )
 def test_merged_forward_equals_peft(tiny_model_dir, model, tmp_path, lora_kwargs):
-    folder = make_adapter(tiny_model_dir, tmp_path / "a", seed=1, **lora_kwargs)
+    folder = make_peft_adapter(tiny_model_dir, tmp_path / "a", seed=1, **lora_kwargs)
     expected = peft_logits(tiny_model_dir, folder)
     plain = model(IDS).logits.detach()
     assert (expected - plain).abs().max() > 1e-2  # the adapter matters
@@ -73,8 +60,8 @@ def test_merged_forward_equals_peft(tiny_model_dir, model, tmp_path, lora_kwargs
 
 def test_switching_and_eviction_keep_every_adapter_exact(tiny_model_dir, model, tmp_path):
     folders = {
-        "a": make_adapter(tiny_model_dir, tmp_path / "a", seed=1),
-        "b": make_adapter(tiny_model_dir, tmp_path / "b", seed=2, target_modules=["o_proj"]),
+        "a": make_peft_adapter(tiny_model_dir, tmp_path / "a", seed=1),
+        "b": make_peft_adapter(tiny_model_dir, tmp_path / "b", seed=2, target_modules=["o_proj"]),
     }
     expected = {name: peft_logits(tiny_model_dir, f) for name, f in folders.items()}
     with torch.no_grad():
@@ -97,7 +84,7 @@ def test_switching_and_eviction_keep_every_adapter_exact(tiny_model_dir, model, 
 
 def test_merged_copies_follow_a_new_base(tiny_model_dir, model, tmp_path):
     """After forget_merged (what update_weights calls), an adapter merges onto the new base."""
-    folder = make_adapter(tiny_model_dir, tmp_path / "a", seed=1)
+    folder = make_peft_adapter(tiny_model_dir, tmp_path / "a", seed=1)
     adapters = AdapterSet(model)
     adapters.load("a", folder)
     logits_with(adapters, "a")
@@ -111,18 +98,18 @@ def test_merged_copies_follow_a_new_base(tiny_model_dir, model, tmp_path):
 
 
 def test_bad_adapters_are_refused_and_change_nothing(tiny_model_dir, model, tmp_path):
-    good = make_adapter(tiny_model_dir, tmp_path / "good", seed=1)
+    good = make_peft_adapter(tiny_model_dir, tmp_path / "good", seed=1)
     adapters = AdapterSet(model)
     adapters.load("a", good)
     expected = logits_with(adapters, "a")
 
-    dora = make_adapter(tiny_model_dir, tmp_path / "dora", seed=2, use_dora=True)
+    dora = make_peft_adapter(tiny_model_dir, tmp_path / "dora", seed=2, use_dora=True)
     with pytest.raises(InvalidRequestError, match="use_dora"):
         adapters.load("a", dora)
 
     from safetensors.torch import load_file, save_file
 
-    wrong = make_adapter(tiny_model_dir, tmp_path / "wrong", seed=3)
+    wrong = make_peft_adapter(tiny_model_dir, tmp_path / "wrong", seed=3)
     tensors = load_file(str(wrong / "adapter_model.safetensors"))
     key = next(k for k in tensors if "q_proj.lora_A" in k)
     tensors[key] = torch.zeros(4, 7)
@@ -130,7 +117,7 @@ def test_bad_adapters_are_refused_and_change_nothing(tiny_model_dir, model, tmp_
     with pytest.raises(InvalidRequestError, match=r"layers\.0\.self_attn\.q_proj.*lora_A has 7"):
         adapters.load("a", wrong)
 
-    renamed = make_adapter(tiny_model_dir, tmp_path / "renamed", seed=4)
+    renamed = make_peft_adapter(tiny_model_dir, tmp_path / "renamed", seed=4)
     tensors = load_file(str(renamed / "adapter_model.safetensors"))
     tensors = {k.replace("layers.0.", "layers.9."): v for k, v in tensors.items()}
     save_file(tensors, str(renamed / "adapter_model.safetensors"))
