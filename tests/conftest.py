@@ -92,6 +92,20 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer) -> Path:
 
 
 @pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a test module (use: `pytestmark = pytest.mark.usefixtures(...)`).
+    The tiny model's ops gain nothing from threads and lose a lot on a busy machine; engines
+    started in the module inherit the count, so in-process and actor engines compute alike
+    (thread counts can change float reduction order)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
 def ray_session():
     """A local 2-CPU Ray for one test module (reused if this process already runs one)."""
     import ray

@@ -71,17 +71,11 @@ def make_core(tmp_path_factory, engine: str, **sampling) -> BackendCore:
     )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model's ops gain nothing from threads (and lose a lot on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def core(tmp_path_factory, one_thread, engine) -> BackendCore:
+def core(tmp_path_factory, one_torch_thread, engine) -> BackendCore:
     core = make_core(tmp_path_factory, engine)
     yield core
     core.shutdown()

@@ -15,7 +15,6 @@ import json
 import math
 
 import pytest
-import torch
 
 from skyrl_trainer.backend.clients import ServiceClient
 from skyrl_trainer.backend.config import BackendConfig, SamplingConfig, TrainingConfig
@@ -28,15 +27,7 @@ ray = pytest.importorskip("ray")
 STEPS = 3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Engine actors run one torch thread each (half a CPU); the reference run's in-process
-    engine gets one thread too, so that both compute alike (thread counts can change float
-    reduction order)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@
   `training.ray.connect_timeout_s` fails with a message naming the field, never hangs.
 - `gpus_per_worker` / `check_cluster_size`: what each worker reserves, and a fast refusal when
   the whole cluster could never hold the actors asked for (training workers or sampling engines).
+- `rendezvous_address`: this node's address and a free port, for a process group's store.
 """
 
 from __future__ import annotations
@@ -27,6 +28,14 @@ DEFAULT_GCS_PORT = 6379
 DEFAULT_CLIENT_PORT = 10001
 
 _lock = threading.Lock()
+
+
+def rendezvous_address() -> tuple[str, int]:
+    """This node's address and a free port, for a process-group store hosted here."""
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        port = sock.getsockname()[1]
+    return ray.util.get_node_ip_address(), port
 
 
 def check_reachable(address: str, timeout_s: float) -> None:

@@ -25,7 +25,6 @@ machine, or storage shared by the nodes).
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -92,12 +91,9 @@ class TrainingReplica(TrainingWorker):
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's address and a free port for the process group's store (rank 0)."""
-        import ray
+        from skyrl_trainer.backend.distributed.ray_cluster import rendezvous_address
 
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            port = sock.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        return rendezvous_address()
 
     def init_process_group(self, address: str, port: int, timeout_s: float) -> None:
         """Join the group; a collective waiting longer than `timeout_s` for a peer raises."""

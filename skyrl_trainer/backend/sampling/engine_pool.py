@@ -257,20 +257,21 @@ class EnginePool:
             raise InvalidRequestError(
                 "named_tensors", f"is a {type(named_tensors).__name__}, not a name -> tensor dict"
             )
+        if self.config.weight_sync == "broadcast":
+            self._update_by_broadcast(named_tensors)
+            return
         tensors = {
             name: t.detach().to(device="cpu", dtype=self._dtype)
             if isinstance(t, torch.Tensor) and t.is_floating_point()
             else t
             for name, t in named_tensors.items()
         }
-        if self.config.weight_sync == "broadcast":
-            self._update_by_broadcast(tensors)
-            return
         ref = ray.put(tensors)  # once; every actor reads it from the object store
         del tensors
         self._broadcast("update_weights", ref)
 
-    def _update_by_broadcast(self, tensors: dict[str, Any]) -> None:
+    def _update_by_broadcast(self, tensors: Mapping[str, Any]) -> None:
+        """Pack `tensors` (cast to the sampling dtype on the way) and broadcast them."""
         for name, tensor in tensors.items():
             if not (isinstance(tensor, torch.Tensor) and tensor.is_floating_point()):
                 raise InvalidRequestError(
@@ -280,10 +281,8 @@ class EnginePool:
             live = self._live()
             if self._sender.members != live or self._sender.group is None:
                 self._form_weight_group(live)
-            element_size = torch.empty((), dtype=self._dtype).element_size()
-            slots, sizes = plan_buckets(
-                {n: tuple(t.shape) for n, t in tensors.items()}, element_size
-            )
+            shapes = {n: tuple(t.shape) for n, t in tensors.items()}
+            slots, sizes = plan_buckets(shapes, self._dtype.itemsize)
             device = "cuda" if self._sender.backend == "nccl" else "cpu"
             buckets = pack(tensors, slots, sizes, self._dtype, device)
             refs = {
@@ -299,7 +298,7 @@ class EnginePool:
 
     def _form_weight_group(self, live: list[int]) -> None:
         """A new process group of this process (rank 0) and the engines `live`."""
-        host, port = self._sender.address()
+        host, port = ray_cluster.rendezvous_address()
         world = len(live) + 1
         refs = {
             i: self._submit(

@@ -15,7 +15,7 @@ the engines still alive. A peer that dies mid-broadcast fails it on every rank w
 
 from __future__ import annotations
 
-import socket
+import math
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -44,9 +44,7 @@ def plan_buckets(
     slots: list[TensorSlot] = []
     sizes: list[int] = []
     for name, shape in shapes.items():
-        numel = 1
-        for dim in shape:
-            numel *= int(dim)
+        numel = math.prod(shape)
         if not sizes or (sizes[-1] and sizes[-1] + numel > limit):
             sizes.append(0)
         slots.append(TensorSlot(name, tuple(int(d) for d in shape), len(sizes) - 1, sizes[-1]))
@@ -71,9 +69,7 @@ def pack(
 def unpack(buckets: list[torch.Tensor], slots: list[TensorSlot]) -> dict[str, torch.Tensor]:
     out = {}
     for slot in slots:
-        numel = 1
-        for dim in slot.shape:
-            numel *= dim
+        numel = math.prod(slot.shape)
         out[slot.name] = buckets[slot.bucket][slot.offset : slot.offset + numel].view(slot.shape)
     return out
 
@@ -88,12 +84,6 @@ def make_group(backend: str, store, rank: int, world_size: int, timeout_s: float
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, world_size, options)
     raise ValueError(f"unknown backend {backend!r}; 'gloo' or 'nccl'")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 class WeightReceiver:
@@ -133,11 +123,6 @@ class WeightSender:
         self.members: list[int] = []  # engine indices, rank = position + 1
         self.group = None
         self._store = None
-
-    def address(self) -> tuple[str, int]:
-        import ray
-
-        return ray.util.get_node_ip_address(), free_port()
 
     def form(self, members: list[int], host: str, port: int) -> None:
         """Host the store and join as rank 0; every member must join concurrently."""

@@ -43,12 +43,7 @@ LOGPROB_TOL = 1e-4  # sampler vs learner, float32 (measured ~1e-6)
 TRAINED_MIN_GAP = 1e-2  # the base weights are at least this far from the trained ones
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

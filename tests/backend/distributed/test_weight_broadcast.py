@@ -7,10 +7,10 @@ import threading
 
 import torch
 
+from skyrl_trainer.backend.distributed.ray_cluster import rendezvous_address
 from skyrl_trainer.backend.sampling.weight_broadcast import (
     WeightReceiver,
     WeightSender,
-    free_port,
     pack,
     plan_buckets,
     unpack,
@@ -43,7 +43,7 @@ def test_gloo_group_sends_every_bucket_to_every_receiver():
     slots, sizes = plan_buckets({n: tuple(t.shape) for n, t in tensors.items()}, 4, 100)
     assert len(sizes) > 1
     sender = WeightSender("gloo", timeout_s=30)
-    host, port = "127.0.0.1", free_port()
+    host, port = "127.0.0.1", rendezvous_address()[1]
     results, errors = {}, []
 
     def receiver(rank: int) -> None:

@@ -30,13 +30,7 @@ def make_engine(model_dir, **kwargs) -> TorchSamplingEngine:
     return TorchSamplingEngine(model_dir, dtype="float32", device="cpu", num_threads=1, **kwargs)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model's ops are too small to gain from threads (and lose a lot on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
