@@ -25,9 +25,11 @@ class RayConfig:
 class TrainingConfig:
     """How training workers compute."""
 
-    dtype: str = "bfloat16"
-    """Compute dtype. bfloat16: frozen LoRA base stored in bf16, float32 trainable weights,
-    bf16 autocast (3-4x faster than float32 on AMX CPUs). float32: exact arithmetic."""
+    dtype: str = "auto"
+    """Compute dtype. "auto": bfloat16 where the device computes it natively (CUDA with bf16,
+    CPUs with AMX or AVX512-BF16), else float32 (`compute_dtype`). bfloat16: frozen LoRA base
+    stored in bf16, float32 trainable weights, bf16 autocast (3-4x faster than float32 where
+    native, 20-100x slower where emulated). float32: exact arithmetic."""
     device: str = "auto"
     """"auto" (cuda when available, else cpu), "cpu" or "cuda"."""
     micro_batch_tokens: int = 2048
@@ -68,7 +70,8 @@ class SamplingConfig:
 
     engine: str = "auto"
     """"vllm", "torch" (the PyTorch engine), or "auto": vLLM when it is installed, else torch."""
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
+    """What the engines' weights and compute are in; "auto" as for training."""
     device: str = "auto"
     max_batch_size: int = 128
     """Most sequences decoding at once per engine; more requests wait and join as rows finish."""

@@ -44,7 +44,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from skyrl_trainer.backend.errors import InvalidRequestError, NotFoundError
+from skyrl_trainer.backend.compute_dtype import parse_dtype
+from skyrl_trainer.backend.errors import NotFoundError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -122,35 +123,6 @@ PACKAGED_MODELS: Mapping[str, PackagedModel] = MappingProxyType(
         )
     }
 )
-
-
-# ----------------------------------------------------------------------------------------------
-# dtype names
-
-
-_DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
-
-
-def parse_dtype(name: str | torch.dtype, *, field: str = "dtype") -> torch.dtype:
-    """`"bfloat16"`/`"bf16"`, `"float32"`/`"fp32"`, `"float16"`/`"fp16"` (any case, optional
-    `torch.` prefix) -> the torch dtype. A torch dtype among those is returned unchanged."""
-    if isinstance(name, torch.dtype):
-        if name in _DTYPES.values():
-            return name
-        key = str(name)
-    else:
-        key = str(name).strip().lower().removeprefix("torch.")
-        if key in _DTYPES:
-            return _DTYPES[key]
-    allowed = ", ".join(repr(k) for k in _DTYPES)
-    raise InvalidRequestError(field, f"unknown dtype {name!r}; use one of {allowed}")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -26,12 +26,13 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, PreTrainedModel
 
 from skyrl_trainer.backend import lora as lora_lib
+from skyrl_trainer.backend.compute_dtype import resolve_compute_dtype
 from skyrl_trainer.backend.config import TrainingConfig
 from skyrl_trainer.backend.datums import TrainingExample
 from skyrl_trainer.backend.errors import InvalidRequestError
 from skyrl_trainer.backend.losses import LossSpec
 from skyrl_trainer.backend.micro_batches import pad_right, plan_micro_batches
-from skyrl_trainer.backend.model_loading import load_causal_lm, parse_dtype
+from skyrl_trainer.backend.model_loading import load_causal_lm
 from skyrl_trainer.backend.optimizer import adam_step, make_adamw
 from skyrl_trainer.backend.target_logprobs import target_logprobs
 
@@ -90,8 +91,10 @@ class TrainingWorker:
     def __init__(self, model_dir: str | Path, config: TrainingConfig):
         self.model_dir = Path(model_dir)
         self.config = config
-        self.compute_dtype = parse_dtype(config.dtype)
         self.device = resolve_device(config.device)
+        self.compute_dtype = resolve_compute_dtype(
+            config.dtype, self.device, field="backend.training.dtype"
+        )
         hf_config = AutoConfig.from_pretrained(self.model_dir)
         self.description = ModelDescription(
             arch=(hf_config.architectures or [type(hf_config).__name__])[0],

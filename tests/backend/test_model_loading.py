@@ -14,41 +14,10 @@ import pytest
 import torch
 
 from skyrl_trainer.backend import model_loading as ml
-from skyrl_trainer.backend.errors import InvalidRequestError, NotFoundError
+from skyrl_trainer.backend.errors import NotFoundError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SMOLLM2 = "SmolLM2-135M-Instruct"
-
-
-# ------------------------------------------------------------------------------------------------
-# dtype names
-
-
-@pytest.mark.parametrize(
-    ("name", "dtype"),
-    [
-        ("bfloat16", torch.bfloat16),
-        ("bf16", torch.bfloat16),
-        ("float32", torch.float32),
-        ("fp32", torch.float32),
-        ("float16", torch.float16),
-        ("fp16", torch.float16),
-        ("BF16", torch.bfloat16),
-        ("torch.float32", torch.float32),
-        (torch.bfloat16, torch.bfloat16),
-    ],
-)
-def test_parse_dtype(name, dtype):
-    assert ml.parse_dtype(name) is dtype
-
-
-@pytest.mark.parametrize("name", ["int8", "float64", "", "half precision"])
-def test_parse_dtype_rejects_unknown_names_with_allowed_values(name):
-    with pytest.raises(InvalidRequestError) as info:
-        ml.parse_dtype(name, field="model.dtype")
-    assert info.value.field == "model.dtype"
-    for allowed in ("bfloat16", "bf16", "float32", "fp32", "float16", "fp16"):
-        assert repr(allowed) in info.value.problem
 
 
 # ------------------------------------------------------------------------------------------------

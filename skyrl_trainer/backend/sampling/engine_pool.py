@@ -46,11 +46,12 @@ import ray
 import torch
 from ray.util.placement_group import remove_placement_group
 
+from skyrl_trainer.backend.compute_dtype import resolve_compute_dtype
 from skyrl_trainer.backend.config import RayConfig, SamplingConfig
 from skyrl_trainer.backend.distributed import ray_cluster
 from skyrl_trainer.backend.distributed.actor_errors import brief, cause_of
 from skyrl_trainer.backend.errors import InvalidRequestError
-from skyrl_trainer.backend.model_loading import load_tokenizer, parse_dtype
+from skyrl_trainer.backend.model_loading import load_tokenizer
 from skyrl_trainer.backend.sampling.engine import GenerationRequest, GenerationResult
 from skyrl_trainer.backend.sampling.engine_launch import (
     EngineDiedError,
@@ -79,7 +80,6 @@ class EnginePool:
     ):
         check_config(config)  # before anything starts
         self.config, self.model_dir, n = config, Path(model_dir), config.num_engines
-        self._dtype = parse_dtype(config.dtype)
         self._lock = threading.Lock()  # loads, deaths
         self._submit_lock = threading.Lock()  # sequence numbers: issue order = turn order
         self._seqs = [0] * n
@@ -88,6 +88,10 @@ class EnginePool:
         self._dead: dict[int, str] = {}
         self._sync_lock = threading.Lock()  # broadcast updates share one process group
         on_gpu = bool(engine_bundle(config).get("GPU")) and torch.cuda.is_available()
+        # The dtype weights travel in; "auto" resolves as the engines will on their device.
+        self._dtype = resolve_compute_dtype(
+            config.dtype, "cuda" if on_gpu else "cpu", field="backend.sampling.dtype"
+        )
         self._sender = WeightSender("nccl" if on_gpu else "gloo", config.weight_sync_timeout_s)
         self.tokenizer = load_tokenizer(model_dir)
         ray_cluster.connect(ray_config or RayConfig())

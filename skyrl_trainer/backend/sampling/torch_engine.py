@@ -33,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-from skyrl_trainer.backend.model_loading import load_causal_lm, load_tokenizer, parse_dtype
+from skyrl_trainer.backend.compute_dtype import resolve_compute_dtype
+from skyrl_trainer.backend.model_loading import load_causal_lm, load_tokenizer
 from skyrl_trainer.backend.sampling.engine import GenerationRequest, GenerationResult
 from skyrl_trainer.backend.sampling.engine_control import EngineControl
 from skyrl_trainer.backend.sampling.kv_cache import SLOT_ATTENTION
@@ -51,7 +52,7 @@ class TorchSamplingEngine:
     def __init__(
         self,
         model_dir: str | Path,
-        dtype: str | torch.dtype = "bfloat16",
+        dtype: str | torch.dtype = "auto",
         device: str | torch.device = "auto",
         max_batch_tokens: int = 8192,
         max_batch_size: int = 128,
@@ -62,7 +63,8 @@ class TorchSamplingEngine:
     ):
         """Load the model and tokenizer of `model_dir` and start the engine thread.
 
-        - `dtype`/`device`: what the model runs in ("auto": CUDA if available, else CPU).
+        - `dtype`/`device`: what the model runs in (device "auto": CUDA if available, else CPU;
+          dtype "auto": bf16 where the device computes it natively, else float32).
         - `max_batch_size`: most rows (samples) decoding at once; later requests wait, and join
           as rows finish. A single request bigger than this still runs, alone.
         - `max_batch_tokens`: most padded prompt tokens per prefill forward.
@@ -76,7 +78,7 @@ class TorchSamplingEngine:
         if str(device) == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
-        self.dtype = parse_dtype(dtype)
+        self.dtype = resolve_compute_dtype(dtype, self.device, field="backend.sampling.dtype")
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_size = max_batch_size
         self.admission_window_s = admission_window_s

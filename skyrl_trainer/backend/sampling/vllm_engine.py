@@ -32,8 +32,9 @@ from pathlib import Path
 
 import torch
 
+from skyrl_trainer.backend.compute_dtype import resolve_compute_dtype
 from skyrl_trainer.backend.errors import InvalidRequestError, NotFoundError
-from skyrl_trainer.backend.model_loading import load_tokenizer, parse_dtype
+from skyrl_trainer.backend.model_loading import load_tokenizer
 from skyrl_trainer.backend.sampling.engine import GenerationRequest, GenerationResult
 from skyrl_trainer.backend.sampling.engine_control import EngineControl
 from skyrl_trainer.backend.sampling.torch_requests import validate_request
@@ -71,7 +72,7 @@ class VLLMSamplingEngine:
     def __init__(
         self,
         model_dir: str | Path,
-        dtype: str | torch.dtype = "bfloat16",
+        dtype: str | torch.dtype = "auto",
         max_batch_size: int = 128,
         max_model_len: int | None = None,
         enable_lora: bool = True,
@@ -97,7 +98,8 @@ class VLLMSamplingEngine:
         # Read by vLLM when the engine is built: the engine must live in this process.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self.model_dir = Path(model_dir)
-        self.dtype = parse_dtype(dtype)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.dtype = resolve_compute_dtype(dtype, device, field="backend.sampling.dtype")
         self.enable_lora = enable_lora
         self.max_lora_rank = max_lora_rank
         self.tokenizer = load_tokenizer(model_dir)
