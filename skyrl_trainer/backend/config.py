@@ -33,7 +33,9 @@ class TrainingConfig:
     device: str = "auto"
     """"auto" (cuda when available, else cpu), "cpu" or "cuda"."""
     micro_batch_tokens: int = 2048
-    """Padded tokens (rows x longest) per forward/backward micro-batch: bounds activation memory."""
+    """Padded tokens (rows x longest) per forward/backward micro-batch at 2-byte (bf16)
+    activations: bounds activation memory. float32 compute runs half as many per micro-batch, so
+    the bound holds in bytes whatever the dtype."""
     logprob_chunk_tokens: int = 1024
     """Rows per chunk of the float32 softmax math over the vocabulary."""
     recompute_logits: bool = False

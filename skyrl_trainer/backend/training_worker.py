@@ -158,6 +158,12 @@ class TrainingWorker:
 
     # ----- compute ------------------------------------------------------------------------
 
+    def micro_batch_budget(self) -> int:
+        """Padded tokens per micro-batch. `micro_batch_tokens` counts 2-byte (bf16) activations;
+        float32 compute gets half as many, so peak activation memory (the logits above all:
+        tokens x vocab x bytes) stays the same whatever the dtype."""
+        return max(1, self.config.micro_batch_tokens * 2 // self.compute_dtype.itemsize)
+
     def _autocast(self):
         if self.compute_dtype == torch.float32:
             return contextlib.nullcontext()
@@ -259,7 +265,7 @@ class TrainingWorker:
         log-probs and loss, which costs about a third of forward + backward.
         """
         lengths = [e.length for e in examples]
-        budget = self.config.micro_batch_tokens
+        budget = self.micro_batch_budget()
         key = spec.gradient_weight_input
         if not (backward and skip_zero_gradient and key is not None):
             return [(mb, backward) for mb in plan_micro_batches(lengths, budget)]

@@ -112,3 +112,15 @@ def test_pad_right():
         [4, 0],
         [1, 2],
     ]
+
+
+@pytest.mark.parametrize(("dtype", "budget"), [("float32", 1024), ("bfloat16", 2048)])
+def test_micro_batch_budget_bounds_bytes_not_tokens(tiny_model_dir, dtype, budget):
+    """float32 activations are twice bf16's: the worker plans half the tokens per micro-batch,
+    so the largest tensor (logits: tokens x vocab x bytes) has the same size in both dtypes."""
+    from skyrl_trainer.backend.config import TrainingConfig
+    from skyrl_trainer.backend.training_worker import TrainingWorker
+
+    worker = TrainingWorker(tiny_model_dir, TrainingConfig(dtype=dtype, micro_batch_tokens=2048))
+    assert worker.micro_batch_budget() == budget
+    assert budget * worker.compute_dtype.itemsize == 2048 * 2

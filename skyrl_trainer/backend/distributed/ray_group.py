@@ -146,6 +146,7 @@ class RayTrainingWorkerGroup:
         args = (address, port, config.collective_timeout_s)
         self._call("init_process_group", [args] * n, fatal=True, deadline=deadline)
         self.description = self._call_rank0("model_description", deadline=deadline)
+        self._micro_batch_budget = self._call_rank0("micro_batch_budget", deadline=deadline)
         logger.info("%d training workers for %s: actors %s", n, self.model_dir, self._actor_ids)
 
     # ----- calling the ranks --------------------------------------------------------------
@@ -283,7 +284,7 @@ class RayTrainingWorkerGroup:
         sharded = model_id in self._sharded
         num_micro_batches = 0
         if sharded:  # every rank runs as many micro-batches as the busiest one
-            budget = self.config.micro_batch_tokens
+            budget = self._micro_batch_budget  # the ranks' own (it depends on their dtype)
             num_micro_batches = max(
                 len(plan_micro_batches([examples[i].length for i in part], budget))
                 for part in parts
