@@ -5,6 +5,7 @@ from __future__ import annotations
 from tinker import types
 
 from skyrl_trainer.rewards import RewardRunner
+from skyrl_trainer.trainer.progress import PhaseTimer
 from skyrl_trainer.trainer.rollouts import Group, sample_groups, sample_seed, score_groups
 
 
@@ -19,6 +20,7 @@ def evaluate(
     pass_k: int = 1,
     temperature: float = 1.0,
     seed: int = 0,
+    progress: PhaseTimer | None = None,
 ) -> dict[str, float]:
     """`eval/pass@1` (greedy) and, with pass_k > 1, `eval/pass@k` (k samples, any correct)."""
     metrics: dict[str, float] = {}
@@ -28,7 +30,7 @@ def evaluate(
         sampled = types.SamplingParams(max_tokens=max_tokens, temperature=temperature)
         runs.append((pass_k, sampled, [sample_seed(seed, -1, i) for i in range(len(prompts))]))
     for k, params, seeds in runs:
-        rollouts = sample_groups(sampler, prompts, k, params, seeds)
+        rollouts = sample_groups(sampler, prompts, k, params, seeds, progress, f"eval pass@{k}")
         groups = [Group(p, t, r) for p, t, r in zip(problems, prompts, rollouts, strict=True)]
         score_groups(groups, runner, decode, correct_threshold)
         solved = [any(r.correct for r in g.rollouts) for g in groups]

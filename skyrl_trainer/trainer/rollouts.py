@@ -9,6 +9,7 @@ from tinker import types
 
 from skyrl_trainer.rewards import RewardRunner
 from skyrl_trainer.trainer.datums import Rollout
+from skyrl_trainer.trainer.progress import PhaseTimer
 
 
 @dataclass
@@ -35,8 +36,11 @@ def sample_groups(
     num_samples: int,
     params: types.SamplingParams,
     seeds: list[int | None],
+    progress: PhaseTimer | None = None,
+    label: str = "sampling",
 ) -> list[list[Rollout]]:
-    """`num_samples` responses per prompt; every request is in flight at once."""
+    """`num_samples` responses per prompt; every request is in flight at once. With `progress`,
+    a long wait prints status lines under `label`."""
     futures = [
         sampler.sample(
             types.ModelInput.from_ints(p),
@@ -45,9 +49,10 @@ def sample_groups(
         )
         for p, seed in zip(prompts, seeds, strict=True)
     ]
+    progress = progress or PhaseTimer(every_s=0)
+    responses = progress.results(futures, label, "groups" if num_samples > 1 else "prompts")
     groups = []
-    for prompt, future in zip(prompts, futures, strict=True):
-        response = future.result()
+    for prompt, response in zip(prompts, responses, strict=True):
         groups.append(
             [
                 Rollout(

@@ -35,13 +35,17 @@ import torch
 
 from skyrl_trainer.backend.compute_dtype import resolve_compute_dtype
 from skyrl_trainer.backend.model_loading import load_causal_lm, load_tokenizer
-from skyrl_trainer.backend.sampling.engine import GenerationRequest, GenerationResult
+from skyrl_trainer.backend.sampling.engine import (
+    GenerationRequest,
+    GenerationResult,
+    validate_request,
+)
 from skyrl_trainer.backend.sampling.engine_control import EngineControl
 from skyrl_trainer.backend.sampling.kv_cache import SLOT_ATTENTION
 from skyrl_trainer.backend.sampling.torch_batch import BatchRunner, EngineStats, RowGroup, fail
 from skyrl_trainer.backend.sampling.torch_lora import AdapterSet
-from skyrl_trainer.backend.sampling.torch_requests import Pending, plan_prefill, validate_request
-from skyrl_trainer.backend.sampling.torch_weights import WeightTable
+from skyrl_trainer.backend.sampling.torch_requests import Pending, plan_prefill
+from skyrl_trainer.backend.sampling.weight_table import WeightTable
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +117,13 @@ class TorchSamplingEngine:
         self._busy_start_stats = EngineStats()
         self._thread = threading.Thread(target=self._run, name="torch-sampling-engine", daemon=True)
         self._thread.start()
+        logger.info(
+            "sampling engine: PyTorch on %s in %s, up to %d rows at once, context %d",
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+            max_batch_size,
+            self.max_model_len,
+        )
 
     @property
     def model(self) -> torch.nn.Module:
@@ -141,6 +152,11 @@ class TorchSamplingEngine:
             self._cond.notify()
         return future
 
+    def generate_for_session(
+        self, session: str | None, request: GenerationRequest
+    ) -> Future[GenerationResult]:
+        return self.generate(request)  # one engine: nothing to route
+
     def update_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
         plan = self.weights.plan(named_tensors)  # refuses bad names/shapes before any change
 
@@ -163,6 +179,15 @@ class TorchSamplingEngine:
             lambda: self.adapters.remove(name),
             must_wait=lambda taken: self._adapter_in_use(name, taken),
         )
+
+    def before_training(self) -> None:
+        pass  # in-process: nothing to free for the trainer
+
+    def sleep(self) -> None:
+        pass  # no sleep mode: the weights stay where they are
+
+    def wake_up(self) -> None:
+        pass
 
     def shutdown(self) -> None:
         with self._cond:

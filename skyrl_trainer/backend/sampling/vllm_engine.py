@@ -24,6 +24,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -35,10 +36,12 @@ import torch
 from skyrl_trainer.backend.compute_dtype import resolve_compute_dtype
 from skyrl_trainer.backend.errors import InvalidRequestError, NotFoundError
 from skyrl_trainer.backend.model_loading import load_tokenizer
-from skyrl_trainer.backend.sampling.engine import GenerationRequest, GenerationResult
+from skyrl_trainer.backend.sampling.engine import (
+    GenerationRequest,
+    GenerationResult,
+    validate_request,
+)
 from skyrl_trainer.backend.sampling.engine_control import EngineControl
-from skyrl_trainer.backend.sampling.torch_requests import validate_request
-from skyrl_trainer.backend.sampling.torch_weights import WeightTable
 from skyrl_trainer.backend.sampling.vllm_requests import (
     combined_result,
     split_by_sample,
@@ -46,6 +49,7 @@ from skyrl_trainer.backend.sampling.vllm_requests import (
     to_vllm_sampling_params,
     wants_prompt_logprobs,
 )
+from skyrl_trainer.backend.sampling.weight_table import WeightTable
 
 logger = logging.getLogger(__name__)
 
@@ -145,9 +149,19 @@ class VLLMSamplingEngine:
             target=self._run, args=(ready,), name="vllm-sampling-engine", daemon=True
         )
         self._thread.start()
+        started = time.monotonic()
+        logger.info("sampling engine: starting vLLM (on CPU ~25 s, a GPU ~1 min)")
         model_config = ready.result()
         self.vocab_size = int(model_config.get_vocab_size())
         self.max_model_len = int(model_config.max_model_len)
+        logger.info(
+            "sampling engine: vLLM on %s in %s, up to %d rows at once, context %d (started in %.0f s)",
+            "cuda" if torch.cuda.is_available() else "cpu",
+            self._llm_kwargs["dtype"],
+            max_batch_size,
+            self.max_model_len,
+            time.monotonic() - started,
+        )
 
     # ------------------------------------------------------------------------------------------
     # public API (any thread)
@@ -175,6 +189,11 @@ class VLLMSamplingEngine:
             self._queue.append(_Queued(request, future))
             self._cond.notify()
         return future
+
+    def generate_for_session(
+        self, session: str | None, request: GenerationRequest
+    ) -> Future[GenerationResult]:
+        return self.generate(request)  # one engine: nothing to route
 
     def update_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
         self.weights.plan(named_tensors)  # refuses bad names/shapes before any change
@@ -211,6 +230,9 @@ class VLLMSamplingEngine:
         self._control(
             lambda: self._unload_adapter(name), must_wait=lambda adapters: name in adapters
         )
+
+    def before_training(self) -> None:
+        pass  # in-process: it sleeps only as a colocated pool replica (the pool asks)
 
     def sleep(self) -> None:
         """Sleep mode only: once the requests in flight finish, offload the weights to host
