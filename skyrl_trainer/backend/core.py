@@ -34,7 +34,7 @@ from skyrl_trainer.backend.futures import failed, mapped
 from skyrl_trainer.backend.losses import get_loss, resolve_loss_config
 from skyrl_trainer.backend.optimizer import validate_adam_params
 from skyrl_trainer.backend.sample_requests import to_generation_request, to_sample_response
-from skyrl_trainer.backend.samplers import SamplerRegistry
+from skyrl_trainer.backend.sampler_registry import SamplerRegistry
 from skyrl_trainer.backend.worker_group import TrainingWorkerGroup, make_worker_group
 
 T = TypeVar("T")

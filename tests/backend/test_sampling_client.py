@@ -23,7 +23,7 @@ from skyrl_trainer.backend.clients import SamplingClient, ServiceClient, Trainin
 from skyrl_trainer.backend.config import BackendConfig, SamplingConfig, TrainingConfig
 from skyrl_trainer.backend.core import BackendCore
 from skyrl_trainer.backend.errors import InvalidRequestError, NotFoundError
-from skyrl_trainer.backend.samplers import StaleSnapshotError
+from skyrl_trainer.backend.sampler_registry import StaleSnapshotError
 
 LOGPROB_TOL = 1e-4  # learner vs sampler, float32 (measured ~1e-6)
 CKPT_TOL = 1e-5  # saved checkpoint loaded by transformers/PEFT vs the learner

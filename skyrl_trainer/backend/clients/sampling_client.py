@@ -1,7 +1,7 @@
 """The in-process `SamplingClient`: the Tinker SDK's sampling surface over `BackendCore`.
 
 A sampling client is bound to one set of weights for its whole life (the base model, a saved
-checkpoint, or a snapshot of a training client); see `skyrl_trainer.backend.samplers`.
+checkpoint, or a snapshot of a training client); see `skyrl_trainer.backend.sampler_registry`.
 """
 
 from __future__ import annotations

@@ -1,17 +1,23 @@
 """The interface every sampling engine implements, and the records it exchanges.
 
 The backend core turns Tinker `sample` requests into `GenerationRequest`s and engine results
-into `tinker.types.SampleResponse`s; engines never see Tinker types. Engines batch all requests
+into `tinker.types.SampleResponse`s; engines never see Tinker types. Every engine checks a
+request with `validate_request` before queueing it; an engine replica that is gone fails its
+requests with `EngineDiedError`. Engines batch all requests
 in flight together (continuous batching in vLLM, dynamic batching in the PyTorch engine).
 """
 
 from __future__ import annotations
 
+import math
+import operator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import torch
+
+from skyrl_trainer.backend.errors import InvalidRequestError
 
 
 @dataclass(frozen=True)
@@ -50,8 +56,62 @@ class GenerationResult:
     extra: dict = field(default_factory=dict)
 
 
+class EngineDiedError(RuntimeError):
+    """A sampling engine actor died, failed to start, or was killed after a failed sync."""
+
+
+def validate_request(request: GenerationRequest, vocab_size: int, max_model_len: int) -> None:
+    """Raise InvalidRequestError (naming the field) for a request the engine cannot serve."""
+    if not isinstance(request, GenerationRequest):
+        raise InvalidRequestError(
+            "request", f"is a {type(request).__name__}, not a GenerationRequest"
+        )
+    prompt = request.prompt_ids
+    if len(prompt) == 0:
+        raise InvalidRequestError("prompt_ids", "is empty; a prompt needs at least one token")
+    for i, token in enumerate(prompt):
+        try:
+            token = operator.index(token)
+        except TypeError:
+            raise InvalidRequestError(
+                f"prompt_ids[{i}]", f"is {token!r}, not an integer token id"
+            ) from None
+        if not 0 <= token < vocab_size:
+            raise InvalidRequestError(
+                f"prompt_ids[{i}]", f"token id {token} is outside the vocabulary [0, {vocab_size})"
+            )
+    if len(prompt) >= max_model_len:
+        raise InvalidRequestError(
+            "prompt_ids",
+            f"has {len(prompt)} tokens; the engine's context length is {max_model_len}, so a "
+            f"prompt can have at most {max_model_len - 1}",
+        )
+    if request.num_samples < 1:
+        raise InvalidRequestError("num_samples", f"is {request.num_samples}; must be >= 1")
+    k = request.topk_prompt_logprobs
+    if not 0 <= k <= vocab_size:
+        raise InvalidRequestError("topk_prompt_logprobs", f"is {k}; must be in [0, {vocab_size}]")
+    params = request.params
+    if params.max_tokens < 0:
+        raise InvalidRequestError("max_tokens", f"is {params.max_tokens}; must be >= 0")
+    if not (math.isfinite(params.temperature) and params.temperature >= 0):
+        raise InvalidRequestError(
+            "temperature", f"is {params.temperature}; must be >= 0 (0 = greedy)"
+        )
+    if not 0 < params.top_p <= 1:
+        raise InvalidRequestError("top_p", f"is {params.top_p}; must be in (0, 1]")
+    if params.top_k < -1:
+        raise InvalidRequestError("top_k", f"is {params.top_k}; must be -1 (off) or >= 1")
+    if not all(isinstance(s, str) for s in params.stop_strings):
+        raise InvalidRequestError("stop_strings", "must all be strings")
+
+
 class SamplingEngine(Protocol):
-    """A batched generator over one base model, with swappable weights and LoRA adapters."""
+    """A batched generator over one base model, with swappable weights and LoRA adapters.
+
+    Every engine implements every method (some as no-ops): the registry and the pool's actors
+    call them unconditionally, and a missing one is a type error, not a silently skipped step.
+    """
 
     tokenizer: Any  # the model's tokenizer (decoding stop strings, client get_tokenizer)
     vocab_size: int  # token ids must be in [0, vocab_size)
@@ -59,6 +119,13 @@ class SamplingEngine(Protocol):
 
     def generate(self, request: GenerationRequest) -> Future[GenerationResult]:
         """Queue a request (thread-safe); it is batched with every other request in flight."""
+        ...
+
+    def generate_for_session(
+        self, session: str | None, request: GenerationRequest
+    ) -> Future[GenerationResult]:
+        """`generate` for sampling session `session`: an engine pool routes by session and
+        prompt prefix (a replica's prefix cache); a single engine just generates."""
         ...
 
     def update_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
@@ -71,5 +138,17 @@ class SamplingEngine(Protocol):
         ...
 
     def remove_lora(self, name: str) -> None: ...
+
+    def before_training(self) -> None:
+        """Training on this engine's base model is about to run: engines colocated with the
+        trainer sleep until their next request or sync; others do nothing."""
+        ...
+
+    def sleep(self) -> None:
+        """Free accelerator memory (after the requests in flight) until `wake_up`; a no-op
+        for engines without a sleep mode."""
+        ...
+
+    def wake_up(self) -> None: ...
 
     def shutdown(self) -> None: ...

@@ -21,6 +21,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from skyrl_trainer.backend.config import SamplingConfig
 from skyrl_trainer.backend.distributed import ray_cluster
 from skyrl_trainer.backend.distributed.actor_errors import brief, cause_of
+from skyrl_trainer.backend.sampling.engine import EngineDiedError
 from skyrl_trainer.backend.sampling.ray_engine import EngineActor
 from skyrl_trainer.typed_config import ConfigError
 
@@ -31,10 +32,6 @@ WEIGHT_SYNCS = ("object_store", "broadcast")
 MAX_CALLS_IN_FLIGHT = 100_000
 
 _EngineActor = ray.remote(max_restarts=0, max_task_retries=0)(EngineActor)
-
-
-class EngineDiedError(RuntimeError):
-    """A sampling engine actor died, failed to start, or was killed after a failed sync."""
 
 
 def check_config(config: SamplingConfig) -> None:

@@ -52,15 +52,14 @@ from skyrl_trainer.backend.distributed import ray_cluster
 from skyrl_trainer.backend.distributed.actor_errors import brief, cause_of
 from skyrl_trainer.backend.errors import InvalidRequestError
 from skyrl_trainer.backend.model_loading import load_tokenizer
-from skyrl_trainer.backend.sampling.engine import GenerationRequest, GenerationResult
-from skyrl_trainer.backend.sampling.engine_launch import (
+from skyrl_trainer.backend.sampling.engine import (
     EngineDiedError,
-    check_config,
-    engine_bundle,
-    launch,
+    GenerationRequest,
+    GenerationResult,
+    validate_request,
 )
+from skyrl_trainer.backend.sampling.engine_launch import check_config, engine_bundle, launch
 from skyrl_trainer.backend.sampling.torch_lora import AdapterSet
-from skyrl_trainer.backend.sampling.torch_requests import validate_request
 from skyrl_trainer.backend.sampling.weight_broadcast import WeightSender, pack, plan_buckets
 
 __all__ = ["EngineDiedError", "EnginePool"]
@@ -336,7 +335,14 @@ class EnginePool:
         """Colocated engines: sleep (after their requests in flight) until the next request or
         sync wakes them. Separate engines: nothing."""
         if self.config.engine_placement == "colocated":
-            self._broadcast("sleep")
+            self.sleep()
+
+    def sleep(self) -> None:
+        """Every engine sleeps (after its requests in flight) until its next request or sync."""
+        self._broadcast("sleep")
+
+    def wake_up(self) -> None:
+        pass  # each engine wakes on its next request or sync
 
     def engine_stats(self) -> list[dict | None]:
         """Each engine's counters (None for a dead one)."""

@@ -2,7 +2,7 @@
 
 What it promises:
 - It builds the engine `sampling.engine` names exactly as the in-process path does
-  (`samplers.make_sampling_engine`, same seed handling), so replicas given the same weights return
+  (`engine_factory.make_engine`, same seed handling), so replicas given the same weights return
   the same tokens for the same seeded request.
 - Calls take effect in the order the pool numbered them (`seq`), whatever order Ray runs them in
   (an async actor runs its calls concurrently and keeps no order): a request numbered before a
@@ -24,13 +24,13 @@ import contextlib
 import os
 import shutil
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from skyrl_trainer.backend.config import SamplingConfig
 from skyrl_trainer.backend.sampling.engine import GenerationRequest, GenerationResult
+from skyrl_trainer.backend.sampling.engine_factory import make_engine
 from skyrl_trainer.backend.sampling.weight_broadcast import TensorSlot, WeightReceiver
 
 
@@ -40,14 +40,10 @@ class EngineActor:
     def __init__(
         self, model_dir: str, config: SamplingConfig, lora: bool, index: int, sleep_mode: bool
     ):
-        from skyrl_trainer.backend.samplers import make_sampling_engine
-
         # The PyTorch engine takes the caller's thread count: one per reserved CPU.
         torch.set_num_threads(max(1, int(config.num_cpus_per_engine)))
         self.index = index
-        self.engine = make_sampling_engine(
-            Path(model_dir), replace(config, num_engines=1), lora=lora, sleep_mode=sleep_mode
-        )
+        self.engine = make_engine(Path(model_dir), config, lora=lora, sleep_mode=sleep_mode)
         self._next_seq = 0
         self._turns = asyncio.Condition()
         self._asleep = False
@@ -80,9 +76,7 @@ class EngineActor:
 
     async def _wake(self) -> None:
         if self._asleep:
-            wake_up = getattr(self.engine, "wake_up", None)
-            if wake_up is not None:
-                await asyncio.to_thread(wake_up)
+            await asyncio.to_thread(self.engine.wake_up)
             self._asleep = False
 
     async def generate(self, seq: int, request: GenerationRequest) -> GenerationResult:
@@ -138,9 +132,7 @@ class EngineActor:
     async def sleep(self, seq: int) -> None:
         async with self._turn(seq):
             if not self._asleep:
-                sleep = getattr(self.engine, "sleep", None)
-                if sleep is not None:  # waits for the requests in flight to finish
-                    await asyncio.to_thread(sleep)
+                await asyncio.to_thread(self.engine.sleep)  # after the requests in flight
                 self._asleep = True
                 self._counts["sleeps"] += 1
 

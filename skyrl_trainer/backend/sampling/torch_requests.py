@@ -1,4 +1,4 @@
-"""Requests and rows of the PyTorch sampling engine: validation, per-row state, stop conditions.
+"""Requests and rows of the PyTorch sampling engine: per-row state, stop conditions.
 
 A `Pending` is one queued `GenerationRequest` with its future; once admitted it owns
 `num_samples` `Row`s, one per sample, each generating its own tokens until a stop condition:
@@ -8,13 +8,11 @@ a stop token or stop string ("stop"), `max_tokens` or the model's context length
 from __future__ import annotations
 
 import math
-import operator
 from concurrent.futures import Future
 from typing import Literal
 
 from transformers import PreTrainedTokenizerBase
 
-from skyrl_trainer.backend.errors import InvalidRequestError
 from skyrl_trainer.backend.sampling.engine import (
     GeneratedSequence,
     GenerationRequest,
@@ -47,52 +45,6 @@ def plan_prefill(lengths: list[int], max_tokens: int, overhead: int = 128) -> li
         chunks.append(order[start[end] : end])
         end = start[end]
     return chunks[::-1]
-
-
-def validate_request(request: GenerationRequest, vocab_size: int, max_model_len: int) -> None:
-    """Raise InvalidRequestError (naming the field) for a request the engine cannot serve."""
-    if not isinstance(request, GenerationRequest):
-        raise InvalidRequestError(
-            "request", f"is a {type(request).__name__}, not a GenerationRequest"
-        )
-    prompt = request.prompt_ids
-    if len(prompt) == 0:
-        raise InvalidRequestError("prompt_ids", "is empty; a prompt needs at least one token")
-    for i, token in enumerate(prompt):
-        try:
-            token = operator.index(token)
-        except TypeError:
-            raise InvalidRequestError(
-                f"prompt_ids[{i}]", f"is {token!r}, not an integer token id"
-            ) from None
-        if not 0 <= token < vocab_size:
-            raise InvalidRequestError(
-                f"prompt_ids[{i}]", f"token id {token} is outside the vocabulary [0, {vocab_size})"
-            )
-    if len(prompt) >= max_model_len:
-        raise InvalidRequestError(
-            "prompt_ids",
-            f"has {len(prompt)} tokens; the engine's context length is {max_model_len}, so a "
-            f"prompt can have at most {max_model_len - 1}",
-        )
-    if request.num_samples < 1:
-        raise InvalidRequestError("num_samples", f"is {request.num_samples}; must be >= 1")
-    k = request.topk_prompt_logprobs
-    if not 0 <= k <= vocab_size:
-        raise InvalidRequestError("topk_prompt_logprobs", f"is {k}; must be in [0, {vocab_size}]")
-    params = request.params
-    if params.max_tokens < 0:
-        raise InvalidRequestError("max_tokens", f"is {params.max_tokens}; must be >= 0")
-    if not (math.isfinite(params.temperature) and params.temperature >= 0):
-        raise InvalidRequestError(
-            "temperature", f"is {params.temperature}; must be >= 0 (0 = greedy)"
-        )
-    if not 0 < params.top_p <= 1:
-        raise InvalidRequestError("top_p", f"is {params.top_p}; must be in (0, 1]")
-    if params.top_k < -1:
-        raise InvalidRequestError("top_k", f"is {params.top_k}; must be -1 (off) or >= 1")
-    if not all(isinstance(s, str) for s in params.stop_strings):
-        raise InvalidRequestError("stop_strings", "must all be strings")
 
 
 class Pending:

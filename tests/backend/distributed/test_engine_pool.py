@@ -32,7 +32,8 @@ from skyrl_trainer.backend.sampling.torch_engine import TorchSamplingEngine
 
 ray = pytest.importorskip("ray")
 
-from skyrl_trainer.backend.sampling.engine_pool import EngineDiedError, EnginePool  # noqa: E402
+from skyrl_trainer.backend.sampling.engine import EngineDiedError  # noqa: E402
+from skyrl_trainer.backend.sampling.engine_pool import EnginePool  # noqa: E402
 
 SAMPLING = dict(engine="torch", dtype="float32", device="cpu")
 # A quarter CPU per engine: the base pool, a full fine-tuning pool and the kill test's pool fit
@@ -275,13 +276,13 @@ def test_vllm_replicas(ray_session, tiny_model_dir, vocab):
     give one local vLLM engine's tokens, and a full-weights update reaches both replicas."""
     from transformers import AutoModelForCausalLM
 
-    from skyrl_trainer.backend.samplers import make_sampling_engine
+    from skyrl_trainer.backend.sampling.engine_factory import make_engine
 
     vllm = dict(SAMPLING, engine="vllm", kv_cache_gib=0.25, max_batch_size=2)
     pool = EnginePool(
         tiny_model_dir, SamplingConfig(**vllm, num_engines=2, num_cpus_per_engine=0.25)
     )
-    local = make_sampling_engine(tiny_model_dir, SamplingConfig(**vllm), lora=False)
+    local = make_engine(tiny_model_dir, SamplingConfig(**vllm), lora=False)
     try:
         batch = requests(vocab, 6, seed=7, prompt_logprobs=True)
         got = [pool.generate_for_session("s", r) for r in batch]

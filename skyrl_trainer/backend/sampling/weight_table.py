@@ -1,4 +1,4 @@
-"""The PyTorch sampling engine's base weights, updated in place by name.
+"""A sampling engine's base weights by name, updated in place (the PyTorch and vLLM engines).
 
 `WeightTable` maps Hugging Face parameter names to the model's parameters (with `lm_head.weight` as
 an alias of the input embedding when they are tied) and checks a whole update before copying any
