@@ -15,7 +15,7 @@ gradients flow into), `slp` = `loss_fn_inputs["logprobs"]` (the sampler's log-pr
 | importance_sampling | logprobs, advantages                 | -sum(r * A)                        |
 | ppo                 | logprobs, advantages                 | -sum(min(r*A, clip(r)*A))          |
 | cispo               | logprobs, advantages                 | -sum(sg(clip(r)) * lp * A)         |
-| dro                 | logprobs, advantages                 | -sum(lp*A - beta/2 * (lp-slp)^2)   |
+| dro                 | logprobs, advantages (+ weights)     | -sum(lp*A - w*beta/2 * (lp-slp)^2) |
 | gspo                | + sequence_ratio_mask                | ppo's, with one sequence ratio     |
 
 `clip(r)` = `clamp(r, clip_low_threshold, clip_high_threshold)`: the thresholds bound the RATIO
@@ -211,6 +211,8 @@ def check_loss_inputs(
         low = inputs[CLIP_LOW]
         if not bool(((low >= 0) & (low <= 1)).all()):
             raise InvalidRequestError(f"{prefix}.{CLIP_LOW}", "every value must be in [0, 1]")
+    if spec.name == "dro" and "weights" in inputs and not bool((inputs["weights"] >= 0).all()):
+        raise InvalidRequestError(f"{prefix}.weights", "dro's penalty weights must be >= 0")
     if (
         CLIP_HIGH in spec.optional_inputs
         and CLIP_HIGH in inputs
@@ -326,19 +328,33 @@ def cispo(
 _DRO_DEFAULT_BETA = 0.05
 
 
-@register_loss("dro", required_inputs=_RL_INPUTS, config_defaults={"beta": _DRO_DEFAULT_BETA})
+@register_loss(
+    "dro",
+    required_inputs=_RL_INPUTS,
+    optional_inputs=("weights",),
+    config_defaults={"beta": _DRO_DEFAULT_BETA},
+)
 def dro(
     lp: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict[str, float]
 ) -> torch.Tensor:
-    """DRO: -sum(lp*A - 0.5*beta*(lp - slp)^2).
+    """DRO: -sum(lp*A - 0.5*beta*w*(lp - slp)^2), w = `weights` (>= 0) where given, else 1.
 
-    The quadratic penalty applies at EVERY position (Tinker's formula has no mask), so positions
-    whose sampler log-prob is a placeholder are pulled towards it.
+    Tinker's formula has no mask (w = 1): the penalty then pulls EVERY position, prompt positions
+    with their placeholder sampler log-prob included, towards `slp`. `weights` (our extension) is
+    each token's share of the loss: 0 on prompt positions and on masked tokens, and the loss
+    reduction's scale (1 / tokens for a token mean) elsewhere, the same factor the client folded
+    into that token's advantage, so the penalty is reduced exactly like the policy term.
     """
     slp = _input(inputs, "logprobs", lp)
     adv = _input(inputs, "advantages", lp)
     log_ratio = lp - slp
-    return -(lp * adv - 0.5 * config["beta"] * log_ratio * log_ratio).sum()
+    penalty = 0.5 * config["beta"] * log_ratio * log_ratio
+    if "weights" in inputs:
+        # torch.where, not a product: a weight of 0 must give 0 even where slp is a placeholder
+        # far from lp (no 0 * inf).
+        weights = _input(inputs, "weights", lp)
+        penalty = torch.where(weights != 0, weights * penalty, torch.zeros_like(penalty))
+    return -(lp * adv - penalty).sum()
 
 
 # The Tinker gspo page gives the formula (1 - eps_low, 1 + eps_high) but, as far as we could

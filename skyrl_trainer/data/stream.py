@@ -52,12 +52,13 @@ class PromptStream:
         straddle into the next epoch)."""
         return math.ceil(len(self._problems) / self._batch_size)
 
-    def next_batch(self) -> list[Problem]:
-        """The next `batch_size` problems."""
+    def next_batch(self, size: int | None = None) -> list[Problem]:
+        """The next `size` problems (default `batch_size`)."""
+        size = self._batch_size if size is None else size
         batch = []
-        while len(batch) < self._batch_size:
+        while len(batch) < size:
             order = self._epoch_order()
-            take = min(self._batch_size - len(batch), len(order) - self._position)
+            take = min(size - len(batch), len(order) - self._position)
             batch.extend(self._problems[i] for i in order[self._position : self._position + take])
             self._position += take
             if self._position == len(order):

@@ -142,7 +142,6 @@ class TrainerConfig:
     """Modules imported at start-up, so their @register_* decorators extend the registries."""
 
 
-LOSS_FNS = ("ppo", "importance_sampling", "cispo", "dro", "gspo")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 
 
@@ -162,6 +161,7 @@ def validate_config(cfg: TrainerConfig) -> None:
     from skyrl_trainer.data.tasks import TASK_FORMATS
     from skyrl_trainer.trainer.advantages import ADVANTAGE_ESTIMATORS
     from skyrl_trainer.trainer.kl import KL_ESTIMATORS
+    from skyrl_trainer.trainer.policy_losses import POLICY_LOSSES, config_errors
     from skyrl_trainer.trainer.reductions import LOSS_REDUCTIONS
 
     _choice("backend.kind", cfg.backend.kind, ("local", "remote"))
@@ -178,7 +178,12 @@ def validate_config(cfg: TrainerConfig) -> None:
     _at_least("steps", cfg.steps, 1)
     a = cfg.algorithm
     _choice("algorithm.advantage_estimator", a.advantage_estimator, ADVANTAGE_ESTIMATORS)
-    _choice("algorithm.loss_fn", a.loss_fn, LOSS_FNS)
+    _choice("algorithm.loss_fn", a.loss_fn, POLICY_LOSSES)
+    if not isinstance(a.loss_fn_config, dict):
+        raise ConfigError(f"algorithm.loss_fn_config: expected a mapping, got {a.loss_fn_config!r}")
+    errors = config_errors(a.loss_fn, a.loss_fn_config)
+    if errors:
+        raise ConfigError("; ".join(errors))
     _choice("algorithm.loss_reduction", a.loss_reduction, LOSS_REDUCTIONS)
     _choice("algorithm.kl_estimator", a.kl_estimator, KL_ESTIMATORS)
     _choice("algorithm.lr_schedule", a.lr_schedule, LR_SCHEDULES)
@@ -193,7 +198,16 @@ def validate_config(cfg: TrainerConfig) -> None:
     _at_least("algorithm.epochs_per_batch", a.epochs_per_batch, 1)
     _at_least("algorithm.learning_rate", a.learning_rate, 0.0)
     _at_least("algorithm.kl_coef", a.kl_coef, 0.0)
+    if not 0.0 < a.gamma <= 1.0:
+        raise ConfigError(f"algorithm.gamma: {a.gamma!r} must be in (0, 1]")
+    if a.max_seq_len is not None:
+        _at_least("algorithm.max_seq_len", a.max_seq_len, 1)
     _at_least("algorithm.max_refill_rounds", a.max_refill_rounds, 0)
+    if a.dynamic_sampling and a.group_size < 2:
+        raise ConfigError(
+            "algorithm.dynamic_sampling: needs algorithm.group_size >= 2 (a group of one sample "
+            "always has zero reward variance, so every group would be dropped)"
+        )
     if a.tis_cap is not None:
         _at_least("algorithm.tis_cap", a.tis_cap, 1.0)
     _at_least("sampling.max_tokens", cfg.sampling.max_tokens, 1)

@@ -23,34 +23,34 @@ class Rollout:
 
 
 def build_rl_datum(
-    rollout: Rollout, advantages: np.ndarray, logprobs: np.ndarray | None = None
+    rollout: Rollout,
+    advantages: np.ndarray,
+    logprobs: np.ndarray | None = None,
+    extra: dict[str, np.ndarray] | None = None,
 ) -> types.Datum:
     """A datum for the `importance_sampling` / `ppo` / ... losses.
 
-    `model_input = prompt + response[:-1]`, `target_tokens = (prompt + response)[1:]`; prompt
-    positions get advantage 0; `logprobs` (default: the sampler's) and `advantages` are aligned to
-    the targets, so response token j sits at target position len(prompt) - 1 + j.
+    `model_input = prompt + response[:-1]`, `target_tokens = (prompt + response)[1:]`; `logprobs`
+    (default: the sampler's), `advantages` and each `extra` input (float, one value per response
+    token: gspo's `sequence_ratio_mask`, dro's `weights`) are aligned to the targets, so response
+    token j sits at target position len(prompt) - 1 + j. Prompt positions carry 0 in every input:
+    advantage 0, weight 0, outside the sequence ratio, and a placeholder log-prob 0 that no loss
+    may read where the others are 0.
     """
     prompt, response = rollout.prompt_tokens, rollout.tokens
-    if len(advantages) != len(response):
-        raise ValueError(f"{len(advantages)} advantages for {len(response)} response tokens")
     reference = rollout.sampler_logprobs if logprobs is None else logprobs
-    if len(reference) != len(response):
-        raise ValueError(f"{len(reference)} log-probs for {len(response)} response tokens")
+    per_token = {"logprobs": reference, "advantages": advantages, **(extra or {})}
+    for key, values in per_token.items():
+        if len(values) != len(response):
+            raise ValueError(f"{len(values)} {key} for {len(response)} response tokens")
     pad = [0.0] * (len(prompt) - 1)
     full = list(prompt) + list(response)
-    return types.Datum(
-        model_input=types.ModelInput.from_ints(full[:-1]),
-        loss_fn_inputs={
-            "target_tokens": types.TensorData(data=full[1:], dtype="int64", shape=[len(full) - 1]),
-            "logprobs": types.TensorData(
-                data=pad + [float(x) for x in reference], dtype="float32", shape=[len(full) - 1]
-            ),
-            "advantages": types.TensorData(
-                data=pad + [float(x) for x in advantages], dtype="float32", shape=[len(full) - 1]
-            ),
-        },
-    )
+    n = len(full) - 1
+    inputs = {"target_tokens": types.TensorData(data=full[1:], dtype="int64", shape=[n])}
+    for key, values in per_token.items():
+        data = pad + [float(x) for x in values]
+        inputs[key] = types.TensorData(data=data, dtype="float32", shape=[n])
+    return types.Datum(model_input=types.ModelInput.from_ints(full[:-1]), loss_fn_inputs=inputs)
 
 
 def build_scoring_datum(rollout: Rollout) -> types.Datum:

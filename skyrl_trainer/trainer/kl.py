@@ -1,4 +1,5 @@
-"""KL penalty against the reference (base) policy, in the reward/advantage (ALGORITHMS.md section 4)."""
+"""KL estimates against the reference (base) policy (ALGORITHMS.md section 4); where the penalty
+enters (advantage or token reward) is the advantage estimator's business (advantages.py)."""
 
 from __future__ import annotations
 
@@ -19,13 +20,3 @@ def estimate_kl(logprobs: np.ndarray, ref_logprobs: np.ndarray, estimator: str) 
     raise ValueError(
         f"algorithm.kl_estimator: unknown {estimator!r}; choose one of {KL_ESTIMATORS}"
     )
-
-
-def apply_kl_penalty(
-    advantages: list[np.ndarray], kl: list[np.ndarray], coef: float
-) -> tuple[list[np.ndarray], float]:
-    """A_t -= coef * (kl_t - mean kl) (the cookbook's in-advantage form); returns the new
-    advantages and the batch's mean KL over all response tokens."""
-    flat = np.concatenate(kl) if kl else np.zeros(0)
-    mean_kl = float(flat.mean()) if flat.size else 0.0
-    return [a - coef * (k - mean_kl) for a, k in zip(advantages, kl, strict=True)], mean_kl

@@ -35,10 +35,11 @@ from skyrl_trainer.trainer.datums import (
     response_logprobs,
 )
 from skyrl_trainer.trainer.evaluation import evaluate
-from skyrl_trainer.trainer.kl import apply_kl_penalty, estimate_kl
+from skyrl_trainer.trainer.kl import estimate_kl
 from skyrl_trainer.trainer.metrics_log import MetricsLogger
 from skyrl_trainer.trainer.off_policy import truncated_importance_weights
-from skyrl_trainer.trainer.reductions import fold_loss_reduction
+from skyrl_trainer.trainer.policy_losses import POLICY_LOSSES, clip_bounds
+from skyrl_trainer.trainer.reductions import loss_weights
 from skyrl_trainer.trainer.rollouts import Group, sample_groups, sample_seed, score_groups
 
 
@@ -152,7 +153,8 @@ class RLTrainer:
 
     def _collect_groups(self, sampler, step: int, timings: dict) -> tuple[list[Group], dict]:
         """Sample and score the step's groups; with dynamic sampling, drop zero-variance groups
-        and refill from the next prompts, up to `max_refill_rounds` rounds."""
+        and refill with exactly as many next prompts as groups are missing, up to
+        `max_refill_rounds` rounds (no prompt is taken from the stream and left unsampled)."""
         cfg, a = self.cfg, self.cfg.algorithm
         params = types.SamplingParams(
             max_tokens=cfg.sampling.max_tokens,
@@ -163,9 +165,7 @@ class RLTrainer:
         kept: list[Group] = []
         stats = {"groups": 0, "zero_variance": 0, "all": []}
         for round_ in range(1 + (a.max_refill_rounds if a.dynamic_sampling else 0)):
-            problems = self.stream.next_batch()
-            if a.dynamic_sampling and round_ > 0:
-                problems = problems[: a.batch_size - len(kept)]
+            problems = self.stream.next_batch(a.batch_size - len(kept))
             prompts = [self._prompt(p) for p in problems]
             seeds = [sample_seed(cfg.seed, step, round_, i) for i in range(len(prompts))]
             t0 = time.monotonic()
@@ -187,24 +187,29 @@ class RLTrainer:
                 break
         return kept, stats
 
-    def _advantages(self, groups: list[Group]) -> list[np.ndarray]:
+    def _advantages(self, groups: list[Group], metrics: dict):
+        """Per-token advantages (KL to the reference inside, where the estimator puts it) and
+        per-token loss masks: 0 on every token of a response the overlong filter removes, applied
+        after everything else so no term (KL included) reaches it."""
         a = self.cfg.algorithm
+        rollouts = [r for g in groups for r in g.rollouts]
+        kl_GN = None
+        if self.reference is not None:
+            kl = iter(self._token_kl(rollouts, metrics))
+            kl_GN = [[next(kl) for _ in g.rollouts] for g in groups]
         per_group = compute_advantages(
             a.advantage_estimator,
             [g.rewards for g in groups],
             [[len(r.tokens) for r in g.rollouts] for g in groups],
-            EstimatorSettings(gamma=a.gamma),
+            EstimatorSettings(gamma=a.gamma, kl_coef=a.kl_coef),
+            kl_GN,
         )
         advantages = [adv for group in per_group for adv in group]
-        if a.overlong_filter:
-            rollouts = [r for g in groups for r in g.rollouts]
-            advantages = [
-                np.zeros_like(adv) if r.stop_reason == "length" else adv
-                for adv, r in zip(advantages, rollouts, strict=True)
-            ]
-        return advantages
+        filtered = [a.overlong_filter and r.stop_reason == "length" for r in rollouts]
+        masks = [np.full(len(r.tokens), 0.0 if f else 1.0) for r, f in zip(rollouts, filtered)]
+        return advantages, masks
 
-    def _train(self, rollouts: list[Rollout], advantages, step: int, metrics: dict) -> None:
+    def _train(self, rollouts: list[Rollout], advantages, masks, step: int, metrics: dict) -> None:
         """Mini-batches x epochs of forward_backward + optim_step, all submitted up front."""
         cfg, a = self.cfg, self.cfg.algorithm
         reference_logprobs = [None] * len(rollouts)
@@ -235,44 +240,51 @@ class RLTrainer:
             weight_decay=a.weight_decay,
             grad_clip_norm=a.grad_clip_norm,
         )
+        extra_inputs = POLICY_LOSSES[a.loss_fn].extra_inputs or (lambda w: {})
         submitted = []
         for _ in range(a.epochs_per_batch):
             for chunk in chunks:
-                folded = fold_loss_reduction(
-                    [advantages[i] for i in chunk], a.loss_reduction, max_len
-                )
+                weights = loss_weights([masks[i] for i in chunk], a.loss_reduction, max_len)
                 datums = [
-                    build_rl_datum(rollouts[i], adv, reference_logprobs[i])
-                    for i, adv in zip(chunk, folded, strict=True)
+                    build_rl_datum(
+                        rollouts[i], advantages[i] * w, reference_logprobs[i], extra_inputs(w)
+                    )
+                    for i, w in zip(chunk, weights, strict=True)
                 ]
                 fb = self.training.forward_backward(datums, a.loss_fn, a.loss_fn_config or None)
                 opt = self.training.optim_step(adam)
-                submitted.append((chunk, datums, fb, opt))
+                submitted.append((chunk, weights, datums, fb, opt))
         metrics["train/learning_rate"] = adam.learning_rate
         self._train_metrics(rollouts, submitted, metrics)
 
     def _train_metrics(self, rollouts, submitted, metrics: dict) -> None:
         a = self.cfg.algorithm
-        low = float((a.loss_fn_config or {}).get("clip_low_threshold", 0.8))
-        high = float((a.loss_fn_config or {}).get("clip_high_threshold", 1.2))
+        clipped_tokens = POLICY_LOSSES[a.loss_fn].clipped
+        bounds = clip_bounds(a.loss_fn, a.loss_fn_config) if clipped_tokens else None
         clipped = total = 0
         grad_norms, losses, gaps = [], [], []
-        for n, (chunk, datums, fb, opt) in enumerate(submitted):
+        for n, (chunk, weights, datums, fb, opt) in enumerate(submitted):
             out, opt_out = fb.result(), opt.result()
             losses.append(out.metrics.get("loss:sum", float("nan")))
             if "grad_norm:mean" in (opt_out.metrics or {}):
                 grad_norms.append(opt_out.metrics["grad_norm:mean"])
-            for i, datum, o in zip(chunk, datums, out.loss_fn_outputs, strict=True):
+            for i, w, datum, o in zip(chunk, weights, datums, out.loss_fn_outputs, strict=True):
                 lp = response_logprobs(rollouts[i], o["logprobs"].tolist())
-                ref = response_logprobs(rollouts[i], datum.loss_fn_inputs["logprobs"].tolist())
-                ratio = np.exp(lp - ref)
-                clipped += int(((ratio < low) | (ratio > high)).sum())
-                total += len(ratio)
+                if clipped_tokens is not None:
+                    inputs = datum.loss_fn_inputs
+                    ref = response_logprobs(rollouts[i], inputs["logprobs"].tolist())
+                    adv = response_logprobs(rollouts[i], inputs["advantages"].tolist())
+                    trained = w > 0
+                    clipped += int(clipped_tokens(lp, ref, adv, *bounds)[trained].sum())
+                    total += int(trained.sum())
                 if n == 0:
                     # The first mini-batch ran on the weights that sampled: sampler vs learner.
                     gaps.append(np.abs(lp - np.asarray(rollouts[i].sampler_logprobs)))
         metrics["train/loss_sum"] = float(np.nansum(losses))
-        metrics["train/clip_frac"] = clipped / max(total, 1)
+        if clipped_tokens is not None:
+            # PPO / GSPO: tokens whose clipped term was the active one (zero gradient); CISPO:
+            # tokens whose importance weight was clamped; over the tokens with loss weight.
+            metrics["train/clip_frac"] = clipped / max(total, 1)
         if grad_norms:
             metrics["train/grad_norm"] = float(np.mean(grad_norms))
         if gaps:
@@ -280,7 +292,8 @@ class RLTrainer:
             metrics["sampler_learner_logprob_gap/mean"] = float(flat.mean())
             metrics["sampler_learner_logprob_gap/max"] = float(flat.max())
 
-    def _kl_penalty(self, rollouts: list[Rollout], advantages, metrics: dict):
+    def _token_kl(self, rollouts: list[Rollout], metrics: dict) -> list[np.ndarray]:
+        """Per-token KL estimates of each response to the reference (base) policy."""
         a = self.cfg.algorithm
         futures = [
             self.reference.compute_logprobs(
@@ -292,9 +305,8 @@ class RLTrainer:
         for r, f in zip(rollouts, futures, strict=True):
             ref = np.asarray(f.result()[len(r.prompt_tokens) :], dtype=np.float64)
             kl.append(estimate_kl(np.asarray(r.sampler_logprobs), ref, a.kl_estimator))
-        advantages, mean_kl = apply_kl_penalty(advantages, kl, a.kl_coef)
-        metrics["kl/mean"] = mean_kl
-        return advantages
+        metrics["kl/mean"] = float(np.concatenate(kl).mean()) if kl else 0.0
+        return kl
 
     def step(self, step: int) -> dict[str, float]:
         """Run (0-based) step `step`; returns its metrics."""
@@ -308,10 +320,8 @@ class RLTrainer:
         rollouts = [r for g in groups for r in g.rollouts]
         t0 = time.monotonic()
         if rollouts:
-            advantages = self._advantages(groups)
-            if self.reference is not None:
-                advantages = self._kl_penalty(rollouts, advantages, metrics)
-            self._train(rollouts, advantages, step, metrics)
+            advantages, masks = self._advantages(groups, metrics)
+            self._train(rollouts, advantages, masks, step, metrics)
             tokens = sum(len(r.prompt_tokens) + len(r.tokens) for r in rollouts)
             metrics["train/tokens"] = tokens
         metrics["train/sequences"] = len(rollouts)

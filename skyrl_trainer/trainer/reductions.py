@@ -1,7 +1,8 @@
-"""Loss reductions, folded into advantages (ALGORITHMS.md section 3).
+"""Loss reductions, as per-token loss weights folded into the advantages (ALGORITHMS.md section 3).
 
-Tinker losses are sums over tokens and datums; scaling each token's advantage by the reduction's
-weight turns that sum into the chosen mean over the whole mini-batch, however the backend chunks it.
+Tinker losses are sums over tokens and datums; multiplying each token's advantage (and dro's
+penalty) by its weight turns that sum into the chosen mean over the whole mini-batch, however the
+backend chunks it.
 """
 
 from __future__ import annotations
@@ -11,29 +12,29 @@ import numpy as np
 LOSS_REDUCTIONS = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm")
 
 
-def fold_loss_reduction(
-    advantages: list[np.ndarray], reduction: str, max_seq_len: int | None = None
+def loss_weights(
+    masks: list[np.ndarray], reduction: str, max_seq_len: int | None = None
 ) -> list[np.ndarray]:
-    """Scale the per-token advantages of one mini-batch (one array per sequence):
-    - token_mean: A / (loss tokens in the mini-batch)
-    - sequence_mean: A / (B * len_i)
-    - seq_mean_token_sum_norm: A / (B * max_seq_len)  (Dr. GRPO; `max_seq_len` fixed in config)
+    """Per-token loss weights of one mini-batch from its 0/1 loss masks (one array per sequence;
+    a masked-out token, e.g. of an overlong-filtered response, gets weight 0 and is not counted).
+    With B = sequences with at least one loss token and N = loss tokens in the mini-batch:
+    - token_mean: 1 / N
+    - sequence_mean: 1 / (B * len_i), len_i = loss tokens of sequence i
+    - seq_mean_token_sum_norm: 1 / (B * max_seq_len)  (Dr. GRPO; `max_seq_len` fixed in config)
     """
-    num_seqs = len(advantages)
-    if num_seqs == 0:
-        return []
+    masks = [np.asarray(m, dtype=np.float64) for m in masks]
+    num_seqs = sum(1 for m in masks if m.sum() > 0)
     if reduction == "token_mean":
-        num_tokens = sum(len(a) for a in advantages)
-        return [a / max(num_tokens, 1) for a in advantages]
+        return [m / max(sum(x.sum() for x in masks), 1.0) for m in masks]
     if reduction == "sequence_mean":
-        return [a / (num_seqs * max(len(a), 1)) for a in advantages]
+        return [m / (max(num_seqs, 1) * max(m.sum(), 1.0)) for m in masks]
     if reduction == "seq_mean_token_sum_norm":
         if not max_seq_len or max_seq_len < 1:
             raise ValueError(
                 "algorithm.max_seq_len: seq_mean_token_sum_norm needs a positive max_seq_len "
                 "(the generation budget, e.g. sampling.max_tokens)"
             )
-        return [a / (num_seqs * max_seq_len) for a in advantages]
+        return [m / (max(num_seqs, 1) * max_seq_len) for m in masks]
     raise ValueError(
         f"algorithm.loss_reduction: unknown reduction {reduction!r}; choose one of {LOSS_REDUCTIONS}"
     )

@@ -121,8 +121,10 @@ def ref_cispo_grad(d, lo=LO, hi=HI):
 
 
 def ref_dro(d, beta):
+    """Tinker's dro with our per-token penalty weights (w = 1 without `weights`)."""
     lp, slp, a = d["lp"], d["logprobs"], d["advantages"]
-    return -np.sum(lp * a - 0.5 * beta * (lp - slp) ** 2)
+    w = d.get("weights", np.ones_like(lp))
+    return -np.sum(lp * a - 0.5 * beta * w * (lp - slp) ** 2)
 
 
 def ref_gspo_seq_ratio(d):
@@ -237,8 +239,46 @@ def test_simple_losses_gradients_match_hand_derivation():
     r = np.exp(d["lp"] - d["logprobs"])
     np.testing.assert_allclose(run("importance_sampling", d)[1], -d["advantages"] * r, rtol=1e-12)
     beta = 0.3
-    want = -(d["advantages"] - beta * (d["lp"] - d["logprobs"]))
+    want = -(d["advantages"] - beta * d["weights"] * (d["lp"] - d["logprobs"]))
     np.testing.assert_allclose(run("dro", d, {"beta": beta})[1], want, rtol=1e-12, atol=1e-15)
+
+
+def test_dro_without_weights_is_tinkers_formula():
+    d = make_datum(8)
+    del d["weights"]
+    value, grad = run("dro", d, {"beta": 0.3})
+    lp, slp, a = d["lp"], d["logprobs"], d["advantages"]
+    assert value == pytest.approx(-np.sum(lp * a - 0.15 * (lp - slp) ** 2), rel=1e-12)
+    np.testing.assert_allclose(grad, -(a - 0.3 * (lp - slp)), rtol=1e-12, atol=1e-15)
+
+
+def test_dro_penalty_skips_zero_weight_positions():
+    """Prompt positions (advantage 0, weight 0) get no gradient whatever their placeholder
+    sampler log-prob; the penalty elsewhere is scaled by the token's weight, like its advantage
+    (the reduction folded into both)."""
+    d = make_datum(26)
+    d["advantages"][:10] = 0.0
+    d["weights"][:10] = 0.0
+    d["logprobs"][:10] = 0.0  # the trainer's placeholder
+    base_value, base_grad = run("dro", d, {"beta": 0.5})
+    assert np.all(base_grad[:10] == 0)
+    d["logprobs"][:10] = -1e4  # any placeholder: nothing changes
+    value, grad = run("dro", d, {"beta": 0.5})
+    assert value == base_value and np.array_equal(grad, base_grad)
+    assert value == pytest.approx(ref_dro(d, 0.5), rel=1e-12)
+    # Scaling every weight and advantage by c (a reduction) scales the loss and gradient by c.
+    scaled = {**d, "advantages": d["advantages"] / 7, "weights": d["weights"] / 7}
+    value7, grad7 = run("dro", scaled, {"beta": 0.5})
+    assert value7 == pytest.approx(value / 7, rel=1e-12)
+    np.testing.assert_allclose(grad7, grad / 7, rtol=1e-12, atol=1e-15)
+
+
+def test_dro_negative_weights_refused():
+    inputs = to_inputs(make_datum(27))
+    inputs["weights"][3] = -0.5
+    with pytest.raises(InvalidRequestError) as err:
+        check_loss_inputs(get_loss("dro"), inputs)
+    assert err.value.field == "loss_fn_inputs.weights"
 
 
 def test_cispo_gradient_stops_at_the_clipped_ratio():

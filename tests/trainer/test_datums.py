@@ -37,7 +37,7 @@ def test_bad_lengths_refused():
     r = make_rollout()
     with pytest.raises(ValueError, match="advantages"):
         build_rl_datum(r, np.zeros(2))
-    with pytest.raises(ValueError, match="log-probs"):
+    with pytest.raises(ValueError, match="logprobs"):
         build_rl_datum(r, np.zeros(3), logprobs=np.zeros(4))
 
 
