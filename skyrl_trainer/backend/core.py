@@ -508,9 +508,8 @@ class BackendCore:
     def shutdown(self) -> None:
         for slot in list(self._bases.values()):
             slot.executor.shutdown(wait=True, cancel_futures=True)
-            shutdown_group = getattr(slot.group, "shutdown", None)
-            if shutdown_group is not None:  # a Ray group: kill its actors
-                shutdown_group()
+            if slot.group is not None:
+                slot.group.shutdown()  # a Ray group kills its actors
         self.samplers.shutdown()
 
 

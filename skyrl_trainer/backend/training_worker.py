@@ -147,6 +147,9 @@ class TrainingWorker:
             assert isinstance(self._lora_base, PeftModel)
             self._lora_base.delete_adapter(slot.adapter_name)
 
+    def shutdown(self) -> None:
+        """Nothing to stop: an in-process worker holds no processes (its memory goes with it)."""
+
     def _slot(self, model_id: str) -> _ModelSlot:
         slot = self._slots.get(model_id)
         if slot is None:

@@ -49,14 +49,14 @@ class TrainingWorkerGroup(Protocol):
 
     def full_weights(self, model_id: str) -> dict[str, torch.Tensor]: ...
 
+    def shutdown(self) -> None:
+        """Stop what the group started (the Ray group kills its actors)."""
+        ...
+
 
 def make_worker_group(model_dir: Path, config: TrainingConfig) -> TrainingWorkerGroup:
     """The worker group for one base model: a single in-process worker when
-    `config.num_workers == 1`, else `num_workers` Ray actors (`distributed.ray_group`).
-
-    A group may also have `shutdown()` (the Ray group does: it kills its actors); the core
-    calls it when it shuts down.
-    """
+    `config.num_workers == 1`, else `num_workers` Ray actors (`distributed.ray_group`)."""
     if isinstance(config.num_workers, bool) or config.num_workers < 1:
         raise ConfigError(f"training.num_workers: must be >= 1, got {config.num_workers!r}")
     if config.num_workers == 1:
