@@ -12,9 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import multiprocessing
-import platform
 import statistics
-import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -48,32 +46,10 @@ class Settings:
     system_prompt: str | None
     max_train_rows: int | None
     our_engine: str  # torch | vllm
-    dtype: str  # bfloat16 | float32 (training autocast and sampling dtype)
+    dtype: str  # bfloat16 | float32, resolved from --dtype (training autocast and sampling dtype)
     trl_micro_batch: int  # TRL per_device_train_batch_size (sequences per forward/backward)
     trl_lora_base_dtype: str  # the frozen base's dtype on TRL's side (ours: `dtype`)
     model: str = "SmolLM2-135M-Instruct"
-
-
-def machine_info() -> dict:
-    import peft
-    import transformers
-
-    info = {
-        "cpu": platform.processor() or platform.machine(),
-        "torch_threads": torch.get_num_threads(),
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "peft": peft.__version__,
-    }
-    try:
-        import trl
-
-        info["trl"] = trl.__version__
-    except ImportError:
-        info["trl"] = None
-    return info
 
 
 def isolated(fn, *args):

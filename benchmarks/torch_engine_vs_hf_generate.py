@@ -19,14 +19,13 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import time
 from collections.abc import Mapping
 from datetime import date
 from pathlib import Path
 
 import torch
-import transformers
+from _machine import DTYPE_CHOICES, DTYPE_HELP, describe, machine_info, resolve_dtype
 
 from skyrl_trainer.backend.model_loading import load_causal_lm, load_tokenizer, resolve_model_dir
 from skyrl_trainer.backend.sampling.engine import GenerationParams, GenerationRequest
@@ -116,13 +115,14 @@ def main() -> None:
     parser.add_argument("--dataset", default=DEFAULT_DATASET)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads for both sides (default: torch's)"
     )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args()
+    dtype = resolve_dtype(args.dtype)  # both sides
 
     torch.manual_seed(args.seed)
     if args.threads:
@@ -135,7 +135,7 @@ def main() -> None:
 
     sides = {}
     for name, fn in (("torch_engine", run_engine), ("hf_generate", run_hf)):
-        run = fn(model_dir, args.dtype, prompts, args.max_new_tokens, eos)
+        run = fn(model_dir, dtype, prompts, args.max_new_tokens, eos)
         summary = summarize(run, args.max_new_tokens)
         sides[name] = summary
         print(f"{name}: {summary['generated_tokens']} tokens in {summary['wall_s']} s", flush=True)
@@ -144,7 +144,7 @@ def main() -> None:
     result = {
         "date": date.today().isoformat(),
         "model": MODEL,
-        "dtype": args.dtype,
+        "dtype": dtype,
         "num_prompts": len(prompts),
         "prompt_tokens": sum(len(p) for p in prompts),
         "max_new_tokens": args.max_new_tokens,
@@ -152,11 +152,7 @@ def main() -> None:
         "sides": sides,
         "speedup_tokens_per_s": round(ratio, 2),
         "machine": {
-            "platform": platform.platform(),
-            "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
+            **machine_info(torch_engine=dtype, hf_generate=dtype),
             "loadavg_before": [round(x, 2) for x in load_before],
             "loadavg_after": [round(x, 2) for x in os.getloadavg()],
         },
@@ -167,7 +163,7 @@ def main() -> None:
     print(f"\n{'side':<14}{'tokens':>8}{'wall s':>9}{'tok/s':>9}")
     for name, s in sides.items():
         print(f"{name:<14}{s['generated_tokens']:>8}{s['wall_s']:>9.2f}{s['tokens_per_s']:>9.1f}")
-    print(f"speedup (tok/s): {ratio:.2f}x   -> {args.out}")
+    print(f"speedup (tok/s): {ratio:.2f}x   -> {args.out}\n{describe(result['machine'])}")
 
 
 if __name__ == "__main__":

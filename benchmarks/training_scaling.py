@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -24,7 +23,7 @@ from datetime import date
 from pathlib import Path
 
 import numpy as np
-import torch
+from _machine import machine_info, resolve_dtype
 from tinker import types
 
 from skyrl_trainer.backend.clients import ServiceClient
@@ -112,7 +111,7 @@ def main() -> None:
     results = {
         "benchmark": "training_scaling",
         "date": str(date.today()),
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        "machine": machine_info(ours=resolve_dtype(TrainingConfig.dtype)),
         "model": MODEL,
         "settings": vars(args),
         "rows": rows,

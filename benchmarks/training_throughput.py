@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import platform
 import statistics
 import tempfile
 import time
@@ -28,12 +27,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from _machine import DTYPE_CHOICES, DTYPE_HELP, machine_info, resolve_dtype
 from tinker import types
 
 from skyrl_trainer.backend.clients import ServiceClient
+from skyrl_trainer.backend.compute_dtype import parse_dtype
 from skyrl_trainer.backend.config import BackendConfig, TrainingConfig
 from skyrl_trainer.backend.lora import LORA_ALPHA
-from skyrl_trainer.backend.model_loading import load_causal_lm, parse_dtype, resolve_model_dir
+from skyrl_trainer.backend.model_loading import load_causal_lm, resolve_model_dir
 
 MODEL = "SmolLM2-135M-Instruct"
 ADAM = types.AdamParams(learning_rate=1e-5)
@@ -78,8 +79,10 @@ def time_interleaved(steps_by_side: dict, steps: int, warmup: int) -> dict[str, 
 
 def ours_step_fn(mode: str, dtype: str, budget: int, sequences):
     storage = tempfile.mkdtemp(prefix="bench-storage-")
+    # micro_batch_tokens counts bf16-sized activations: this runs `budget` tokens, as the plain loop.
+    tokens = budget * parse_dtype(dtype).itemsize // 2
     config = BackendConfig(
-        storage_dir=storage, training=TrainingConfig(dtype=dtype, micro_batch_tokens=budget)
+        storage_dir=storage, training=TrainingConfig(dtype=dtype, micro_batch_tokens=tokens)
     )
     service = ServiceClient(config)
     if mode == "lora":
@@ -163,13 +166,14 @@ def plain_step_fn(mode: str, dtype: str, budget: int, sequences):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mode", choices=["lora", "full"], default="lora")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
     parser.add_argument("--budget", type=int, default=2048, help="tokens per micro-batch")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--batches", default="equal,variable")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    args.dtype = resolve_dtype(args.dtype)  # both sides
 
     vocab = 49152
     rows = []
@@ -207,8 +211,7 @@ def main() -> None:
     record = {
         "benchmark": "training_throughput",
         "date": date.today().isoformat(),
-        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
-        "torch": torch.__version__,
+        "machine": machine_info(plain=args.dtype, ours=args.dtype),
         "args": vars(args),
         "results": rows,
     }

@@ -1,6 +1,6 @@
 """Sampling throughput: our SamplingClient on the vLLM engine vs raw `vllm.LLM.generate`.
 
-Both sides run vLLM in this process with the same settings (SmolLM2-135M-Instruct, bfloat16,
+Both sides run vLLM in this process with the same settings (SmolLM2-135M-Instruct, `--dtype`,
 eager mode, the "uni" executor, the same KV-cache size and batch limit, per-token log-probs of the
 sampled tokens) and sample the same chat-templated GSM8K questions at temperature 1.0, one seed
 per prompt, exactly `--max-new-tokens` tokens each (no stop condition):
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -29,6 +28,7 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # both sides in this process
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import torch  # noqa: E402
+from _machine import DTYPE_CHOICES, DTYPE_HELP, machine_info, resolve_dtype  # noqa: E402
 from tinker import types  # noqa: E402
 
 from skyrl_trainer.backend.clients import ServiceClient  # noqa: E402
@@ -96,7 +96,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
     args = parser.parse_args()
+    dtype = resolve_dtype(args.dtype)  # both sides
 
     from vllm import LLM
 
@@ -105,14 +107,14 @@ def main() -> None:
         BackendConfig(
             storage_dir=tempfile.mkdtemp(prefix="bench-storage-"),
             sampling=SamplingConfig(
-                engine="vllm", dtype="bfloat16", kv_cache_gib=KV_CACHE_GIB, max_batch_size=MAX_BATCH
+                engine="vllm", dtype=dtype, kv_cache_gib=KV_CACHE_GIB, max_batch_size=MAX_BATCH
             ),
         )
     )
     sampler = service.create_sampling_client(base_model=MODEL).result()
     llm = LLM(
         model=str(model_dir),
-        dtype="bfloat16",
+        dtype=dtype,
         enforce_eager=not torch.cuda.is_available(),
         distributed_executor_backend="uni",
         generation_config="vllm",
@@ -144,12 +146,11 @@ def main() -> None:
     record = {
         "benchmark": "vllm_engine_vs_vllm_generate",
         "date": date.today().isoformat(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
-        + (torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"),
+        "machine": machine_info(ours=dtype, raw=dtype),
         "vllm": vllm.__version__,
         "settings": {
             "model": MODEL,
-            "dtype": "bfloat16",
+            "dtype": dtype,
             "num_prompts": len(prompts),
             "max_new_tokens": args.max_new_tokens,
             "temperature": 1.0,

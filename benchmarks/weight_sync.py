@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import tempfile
 import time
 from datetime import date
 from pathlib import Path
 
-import torch
+from _machine import DTYPE_CHOICES, DTYPE_HELP, machine_info, resolve_dtype
 from tinker import types
 
 from skyrl_trainer.backend.clients import ServiceClient
@@ -62,13 +61,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--engine", default="torch")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
     parser.add_argument("--out", default="benchmarks/results/weight_sync.json")
     args = parser.parse_args()
+    args.dtype = resolve_dtype(args.dtype)
 
     config = BackendConfig(
         storage_dir=tempfile.mkdtemp(prefix="bench-storage-"),
-        training=TrainingConfig(dtype="bfloat16"),
-        sampling=SamplingConfig(engine=args.engine, dtype="bfloat16"),
+        training=TrainingConfig(dtype=args.dtype),
+        sampling=SamplingConfig(engine=args.engine, dtype=args.dtype),
     )
     service = ServiceClient(config)
     results = {}
@@ -86,7 +87,7 @@ def main() -> None:
     record = {
         "benchmark": "weight_sync",
         "date": date.today().isoformat(),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, no GPU",
+        "machine": machine_info(ours=args.dtype),
         "engine": args.engine,
         "results": results,
     }
