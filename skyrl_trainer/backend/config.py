@@ -125,8 +125,9 @@ class BackendConfig:
     """The in-process Tinker backend."""
 
     base_models: list[str] = field(default_factory=lambda: ["SmolLM2-135M-Instruct"])
-    """Models advertised by get_server_capabilities. Any other resolvable name or path is
-    accepted on demand (a hub id, a local Hugging Face folder, a packaged model)."""
+    """Models advertised by get_server_capabilities. In-process, any other resolvable name or
+    path is accepted on demand (a hub id, a local Hugging Face folder, a packaged model); the
+    HTTP server (`BackendCore(served_only=True)`) serves these only (`backend.base_models`)."""
     storage_dir: str | None = None
     """Root of tinker:// checkpoints; default <cache_dir>/storage."""
     cache_dir: str | None = None

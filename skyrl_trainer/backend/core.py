@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -26,6 +26,7 @@ import torch
 from tinker import types
 
 from skyrl_trainer.backend import model_loading
+from skyrl_trainer.backend.base_models import BaseModelCatalog
 from skyrl_trainer.backend.checkpoints import CheckpointMetadata, CheckpointStore
 from skyrl_trainer.backend.config import BackendConfig
 from skyrl_trainer.backend.datums import to_training_examples
@@ -81,8 +82,11 @@ def _output(logprobs: list[torch.Tensor], metrics: dict[str, float]) -> types.Fo
 class BackendCore:
     """One in-process Tinker backend. Thread-safe; share one per process."""
 
-    def __init__(self, config: BackendConfig | None = None):
+    def __init__(self, config: BackendConfig | None = None, served_only: bool = False):
+        """`served_only` (the HTTP server): only `config.base_models` can be used, under their
+        public names (`base_models`); else any loadable name or folder."""
         self.config = config or BackendConfig()
+        self.base_models = BaseModelCatalog(self.config.base_models, served_only)
         self.store = CheckpointStore(self.config.resolved_storage_dir())
         self._lock = threading.Lock()
         self._sessions: dict[str, _Session] = {}
@@ -90,9 +94,7 @@ class BackendCore:
         self._bases: dict[str, _BaseModelSlot] = {}
         self._tokenizers: dict[str, Any] = {}
         self.samplers = SamplerRegistry(
-            self.config.sampling,
-            lambda name: model_loading.resolve_model_dir(name, self.config.resolved_cache_dir()),
-            ray_config=self.config.training.ray,
+            self.config.sampling, self._model_dir, ray_config=self.config.training.ray
         )
         self._sample_seq = itertools.count()
 
@@ -124,8 +126,13 @@ class BackendCore:
             raise NotFoundError("model_id", f"unknown model '{model_id}'")
         return record
 
+    def _model_dir(self, base_model: str) -> Path:
+        """The folder of a known base model (a name from `base_models.resolve`)."""
+        source = self.base_models.source(base_model)
+        return model_loading.resolve_model_dir(source, self.config.resolved_cache_dir())
+
     def _base_slot(self, base_model: str) -> _BaseModelSlot:
-        key = canonical_model_name(base_model)
+        key = self.base_models.resolve(base_model)
         with self._lock:
             slot = self._bases.get(key)
             if slot is None:
@@ -137,10 +144,7 @@ class BackendCore:
         """The base model's worker group, loaded on first use (runs on the slot's thread)."""
         if slot.group is None:
             try:
-                model_dir = model_loading.resolve_model_dir(
-                    slot.name, self.config.resolved_cache_dir()
-                )
-                slot.group = make_worker_group(model_dir, self.config.training)
+                slot.group = make_worker_group(self._model_dir(slot.name), self.config.training)
             except BaseException:
                 # A name that does not load keeps no executor thread behind.
                 with self._lock:
@@ -184,10 +188,8 @@ class BackendCore:
             session = self._session(session_id)
             if session.end_status is not None:
                 raise InvalidRequestError("session_id", f"session '{session_id}' was closed")
-            if not isinstance(base_model, str) or not base_model:
-                raise InvalidRequestError("base_model", "must be a non-empty model name or path")
-            # Canonical from here on: a relative path must mean the same folder later.
-            base_model = canonical_model_name(base_model)
+            # Known by one name from here on: a relative path must mean the same folder later.
+            base_model = self.base_models.resolve(base_model)
             seq = next(session.model_seq) if model_seq_id is None else model_seq_id
             model_id = f"{session_id}:train:{seq}"
             if model_id in self._models:
@@ -225,7 +227,9 @@ class BackendCore:
             model_data=types.ModelData(
                 arch=description.arch,
                 model_name=record.base_model,
-                tokenizer_id=description.model_dir,
+                tokenizer_id=self.base_models.tokenizer_id(
+                    record.base_model, description.model_dir
+                ),
             ),
             is_lora=record.lora is not None,
             lora_rank=record.lora.rank if record.lora else None,
@@ -234,17 +238,16 @@ class BackendCore:
 
     def tokenizer(self, base_model: str) -> Any:
         """The base model's tokenizer (loaded once)."""
-        key = canonical_model_name(base_model)
+        key = self.base_models.resolve(base_model)
         if key not in self._tokenizers:
-            model_dir = model_loading.resolve_model_dir(key, self.config.resolved_cache_dir())
-            self._tokenizers[key] = model_loading.load_tokenizer(model_dir)
+            self._tokenizers[key] = model_loading.load_tokenizer(self._model_dir(key))
         return self._tokenizers[key]
 
     def get_server_capabilities(self) -> types.GetServerCapabilitiesResponse:
         return types.GetServerCapabilitiesResponse(
             supported_models=[
                 types.SupportedModel(model_name=name, trainable=True, sampleable=True)
-                for name in self.config.base_models
+                for name in self.base_models.names or self.config.base_models
             ]
         )
 
@@ -349,12 +352,12 @@ class BackendCore:
         return self._submit_for_model(model_id, job)
 
     def _check_compatible(self, record: ModelRecord, metadata: CheckpointMetadata) -> None:
-        ours = canonical_model_name(record.base_model)
-        theirs = canonical_model_name(metadata.base_model)
+        ours = self.base_models.resolve(record.base_model)
+        theirs = self.base_models.resolve(metadata.base_model, field="path")
         if ours != theirs:
             raise InvalidRequestError(
                 "path",
-                f"checkpoint was trained on base model '{metadata.base_model}', but model "
+                f"checkpoint was trained on base model '{theirs}', but model "
                 f"'{record.model_id}' is on '{record.base_model}'",
             )
         if metadata.is_lora != (record.lora is not None):
@@ -396,23 +399,46 @@ class BackendCore:
         """A new model initialised from a training checkpoint (same base and LoRA config)."""
         try:
             _, metadata = self.store.resolve(path)
-            if base_model is not None and canonical_model_name(base_model) != canonical_model_name(
-                metadata.base_model
-            ):
+            trained_on = self.base_models.resolve(metadata.base_model, field="path")
+            if base_model is not None and self.base_models.resolve(base_model) != trained_on:
                 raise InvalidRequestError(
                     "base_model",
-                    f"is '{base_model}' but the checkpoint was trained on '{metadata.base_model}'",
+                    f"is '{base_model}' but the checkpoint was trained on '{trained_on}'",
                 )
         except InvalidRequestError as exc:
             return failed(exc)
         return self.create_model(
             session_id,
-            metadata.base_model,
+            trained_on,
             metadata.lora(),
             user_metadata,
             model_seq_id,
             initial_state=(path, with_optimizer),
         )
+
+    def checkpoint_metadata(self, path: str, field: str = "path") -> CheckpointMetadata:
+        """What the checkpoint at `path` was made from (its base model by the name this
+        backend knows it by)."""
+        _, metadata = self.store.resolve(path, field=field)
+        base = self.base_models.resolve(metadata.base_model, field=field)
+        return replace(metadata, base_model=base)
+
+    def checkpoint_size(self, path: str) -> int:
+        """Bytes the checkpoint at `path` takes on disk."""
+        folder, _ = self.store.resolve(path)
+        return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+    def check_checkpoint_path(self, path: str, field: str = "path") -> None:
+        """Refuse a path that is not of the form tinker://<run>/<kind>/<name> or would leave
+        the checkpoint storage; the checkpoint need not exist."""
+        self.store.folder_of(path, field=field)
+
+    def set_checkpoint_expiry(self, path: str, expires_at: float | None) -> None:
+        self.store.set_expiry(path, expires_at)
+
+    def delete_checkpoint(self, path: str) -> bool:
+        """Remove the checkpoint's folder; False if there was none."""
+        return self.store.delete(path)
 
     # ----- sampling -----------------------------------------------------------------------
 
@@ -465,13 +491,12 @@ class BackendCore:
         if (model_path is None) == (base_model is None):
             raise InvalidRequestError("model_path", "pass exactly one of model_path or base_model")
         if base_model is not None:
-            return self.samplers.bind_base(canonical_model_name(base_model))
+            return self.samplers.bind_base(self.base_models.resolve(base_model))
         folder, metadata = self.store.resolve(model_path, field="model_path")
+        base = self.base_models.resolve(metadata.base_model, field="model_path")
         if metadata.is_lora:
-            return self.samplers.bind_lora(model_path, metadata.base_model, folder, model_path)
-        return self.samplers.bind_full_folder(
-            model_path, metadata.base_model, folder, metadata.created_at
-        )
+            return self.samplers.bind_lora(model_path, base, folder, model_path)
+        return self.samplers.bind_full_folder(model_path, base, folder, metadata.created_at)
 
     def sampler_base_model(self, sampler_id: str) -> str:
         return self.samplers.binding(sampler_id).base_model
@@ -531,16 +556,6 @@ def _checkpoint_metadata(
         expires_at=now + ttl_seconds if ttl_seconds else None,
         user_metadata=user_metadata,
     )
-
-
-def canonical_model_name(name: str) -> str:
-    """One key per base model: packaged aliases collapse to the packaged name, local folders
-    to their resolved path, anything else (hub ids) stays as given."""
-    packaged = model_loading.find_packaged_model(name)
-    if packaged is not None:
-        return packaged.name
-    path = Path(name).expanduser()
-    return str(path.resolve()) if path.is_dir() else name
 
 
 def _cross_entropy_view(datum: types.Datum, field_name: str) -> types.Datum:

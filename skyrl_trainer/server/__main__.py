@@ -25,7 +25,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str]:
         "--base-model",
         action="append",
         dest="base_models",
-        help="model to advertise (repeatable; a packaged name, hub id or HF folder)",
+        help="a model to serve (repeatable): a packaged name, hub id or Hugging Face folder, "
+        "optionally as NAME=SOURCE; clients use its name (a folder's is its last component); "
+        "no other model can be used",
     )
     p.add_argument("--host", default=defaults.host, help="bind address (default loopback)")
     p.add_argument("--port", type=int, default=defaults.port)
@@ -47,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str]:
         default=SamplingConfig.max_batch_size,
         help="most sequences an engine decodes at once",
     )
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--max-request-bytes", type=int, default=limits.max_request_bytes)
     p.add_argument("--max-batch-datums", type=int, default=limits.max_batch_datums)
@@ -59,6 +61,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str]:
         type=float,
         default=defaults.housekeeping_interval_s,
         help="seconds between removals of expired checkpoints and old results",
+    )
+    p.add_argument(
+        "--sequencer-gap-timeout",
+        type=float,
+        default=defaults.sequencer_gap_timeout_s,
+        help="seconds a training request waits for a missing lower seq_id before it runs",
     )
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
@@ -84,6 +92,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str]:
         api_keys=[k.strip() for k in keys],
         allow_unauthenticated_remote=args.allow_unauthenticated_remote,
         housekeeping_interval_s=args.housekeeping_interval,
+        sequencer_gap_timeout_s=args.sequencer_gap_timeout,
         database=args.database,
         limits=ServerLimits(
             max_request_bytes=args.max_request_bytes,

@@ -28,6 +28,7 @@ from skyrl_trainer.server.config import ServerConfig
 from skyrl_trainer.server.database import ServerDatabase
 from skyrl_trainer.server.future_tracker import FutureTracker
 from skyrl_trainer.server.http_errors import install_error_handlers
+from skyrl_trainer.server.redaction import PathRedactor, server_folders
 from skyrl_trainer.server.sequencer import Sequencer
 from skyrl_trainer.server.state import ServerState
 
@@ -57,8 +58,14 @@ async def _housekeeping_loop(state: ServerState) -> None:
 
 
 def create_app(config: ServerConfig, core: BackendCore | None = None) -> FastAPI:
-    """The server application. `core` defaults to a new backend from `config.backend`."""
+    """The server application. `core` defaults to a new backend from `config.backend`; one
+    given must serve only its base models (`BackendCore(..., served_only=True)`)."""
     config.validate()
+    if core is not None and not core.base_models.served_only:
+        raise ValueError(
+            "core: a server's backend must serve only its base models; create it with "
+            "BackendCore(config, served_only=True)"
+        )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -66,13 +73,22 @@ def create_app(config: ServerConfig, core: BackendCore | None = None) -> FastAPI
         stale = db.fail_pending_futures(_RESTARTED)
         if stale:
             logger.warning("%d requests of a previous server process were failed", stale)
-        backend = core if core is not None else BackendCore(config.backend)
+        backend = core if core is not None else BackendCore(config.backend, served_only=True)
+        redact = PathRedactor(
+            server_folders(
+                backend.config.resolved_storage_dir(),
+                backend.config.resolved_cache_dir(),
+                config.database_path(),
+                [m.source for m in backend.base_models.served],
+            )
+        )
         state = ServerState(
             config=config,
             core=backend,
             db=db,
-            tracker=FutureTracker(db, asyncio.get_running_loop()),
+            tracker=FutureTracker(db, asyncio.get_running_loop(), redact),
             sequencer=Sequencer(config.sequencer_gap_timeout_s),
+            redact=redact,
         )
         app.state.server = state
         task = asyncio.create_task(_housekeeping_loop(state))

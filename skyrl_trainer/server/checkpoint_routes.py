@@ -70,7 +70,7 @@ def _run(state: ServerState, owner: str, run_id: str) -> dict:
 
 def _owned_checkpoint(state: ServerState, owner: str, run_id: str, checkpoint_id: str) -> dict:
     path = f"tinker://{run_id}/{checkpoint_id}"
-    state.core.store.folder_of(path, field="checkpoint_id")  # refuses traversal
+    state.core.check_checkpoint_path(path, field="checkpoint_id")  # refuses traversal
     row = state.db.checkpoint(path)
     if row is None or row["owner"] != owner:
         raise ApiError(404, "checkpoint_id", f"no checkpoint at {path!r}")
@@ -133,7 +133,7 @@ async def delete_checkpoint(
         state.db.update_checkpoint(row["tinker_path"], public=0)
         return None
     row = _owned_checkpoint(state, owner, run_id, checkpoint_id)
-    state.core.store.delete(row["tinker_path"])
+    state.core.delete_checkpoint(row["tinker_path"])
     state.db.delete_checkpoint(row["tinker_path"])
     return None
 
@@ -158,7 +158,7 @@ async def set_checkpoint_ttl(
     if body.ttl_seconds is not None and body.ttl_seconds <= 0:
         raise ApiError(400, "ttl_seconds", "must be positive, or null for no expiry")
     expires_at = time.time() + body.ttl_seconds if body.ttl_seconds else None
-    state.core.store.set_expiry(row["tinker_path"], expires_at)
+    state.core.set_checkpoint_expiry(row["tinker_path"], expires_at)
     state.db.update_checkpoint(row["tinker_path"], expires_at=expires_at)
     return None
 
@@ -168,7 +168,7 @@ async def weights_info(request: Request, owner: str = Depends(authenticate)):
     state = _state(request)
     body = await state.parse(request, _WeightsInfoRequest)
     state.checkpoint(owner, body.tinker_path, field="tinker_path")
-    _, metadata = state.core.store.resolve(body.tinker_path, field="tinker_path")
+    metadata = state.core.checkpoint_metadata(body.tinker_path, field="tinker_path")
     lora = metadata.lora_config or {}
     return types.WeightsInfoResponse(
         base_model=metadata.base_model,
@@ -184,6 +184,6 @@ def remove_expired_checkpoints(state: ServerState) -> int:
     """Delete every checkpoint whose TTL has passed (folder and record)."""
     expired = state.db.expired_checkpoints(time.time())
     for row in expired:
-        state.core.store.delete(row["tinker_path"])
+        state.core.delete_checkpoint(row["tinker_path"])
         state.db.delete_checkpoint(row["tinker_path"])
     return len(expired)

@@ -6,6 +6,7 @@ import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from skyrl_trainer.backend.base_models import BaseModelCatalog
 from skyrl_trainer.backend.config import BackendConfig
 
 
@@ -54,7 +55,8 @@ class ServerConfig:
         return self.backend.resolved_storage_dir() / "server.sqlite3"
 
     def validate(self) -> None:
-        """Refuse settings that would expose an unauthenticated server."""
+        """Refuse settings that would expose an unauthenticated server, and a served-model
+        list that names no model or gives two models one name."""
         for key in self.api_keys:
             if not key.startswith("tml-"):
                 raise ValueError(
@@ -70,6 +72,7 @@ class ServerConfig:
                 "configured; pass --api-key (or SKYRL_SERVER_API_KEYS), bind 127.0.0.1, or pass "
                 "--allow-unauthenticated-remote"
             )
+        BaseModelCatalog(self.backend.base_models, served_only=True)  # names, no loading
         if self.housekeeping_interval_s <= 0:
             raise ValueError("housekeeping_interval_s must be positive")
         if not 0 < self.retrieve_wait_s < 40:

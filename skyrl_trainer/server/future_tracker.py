@@ -32,19 +32,28 @@ def json_result(value: Any) -> tuple[str, bytes]:
     return JSON, json.dumps(body).encode()
 
 
-def error_payload(exc: BaseException) -> bytes:
-    """The SDK's RequestFailedResponse: a message and whose fault it was."""
+def error_payload(exc: BaseException, redact: Callable[[str], str] = str) -> bytes:
+    """The SDK's RequestFailedResponse: a message (passed through `redact`) and whose fault
+    it was."""
     if isinstance(exc, InvalidRequestError):
-        return json.dumps({"error": str(exc), "category": "user"}).encode()
-    return json.dumps({"error": f"{type(exc).__name__}: {exc}", "category": "server"}).encode()
+        return json.dumps({"error": redact(str(exc)), "category": "user"}).encode()
+    message = redact(f"{type(exc).__name__}: {exc}")
+    return json.dumps({"error": message, "category": "server"}).encode()
 
 
 class FutureTracker:
     """Maps request ids to results in the database and wakes the pollers waiting for them."""
 
-    def __init__(self, db: ServerDatabase, loop: asyncio.AbstractEventLoop):
+    def __init__(
+        self,
+        db: ServerDatabase,
+        loop: asyncio.AbstractEventLoop,
+        redact: Callable[[str], str] = str,
+    ):
+        """`redact`: what every error message passes through (`redaction.PathRedactor`)."""
         self.db = db
         self.loop = loop
+        self.redact = redact
         self._events: dict[str, asyncio.Event] = {}
 
     def register(self, owner: str, request_type: str, model_id: str | None = None) -> str:
@@ -57,7 +66,7 @@ class FutureTracker:
         future.add_done_callback(lambda done: self._finish(request_id, done, encode))
 
     def fail(self, request_id: str, exc: BaseException) -> None:
-        self.db.finish_future(request_id, FAILED, JSON, error_payload(exc))
+        self.db.finish_future(request_id, FAILED, JSON, error_payload(exc, self.redact))
         self.loop.call_soon_threadsafe(self._wake, request_id)
 
     def _finish(self, request_id: str, done: Future, encode: Encoder) -> None:
@@ -67,7 +76,7 @@ class FutureTracker:
         except BaseException as exc:
             if not isinstance(exc, InvalidRequestError):
                 logger.exception("request %s failed", request_id)
-            content_type, payload, status = JSON, error_payload(exc), FAILED
+            content_type, payload, status = JSON, error_payload(exc, self.redact), FAILED
         try:
             self.db.finish_future(request_id, status, content_type, payload)
         except Exception:

@@ -42,25 +42,45 @@ def validation_message(exc: ValidationError | RequestValidationError) -> tuple[s
     return field, f"{field}: {first.get('msg', 'invalid value')}"
 
 
+def _redacted(request: Request, message: str) -> str:
+    """`message` without the server's folders (`redaction`), once the server is running."""
+    server = getattr(request.app.state, "server", None)
+    return server.redact(message) if server is not None else message
+
+
+def refused(request: Request, status: int) -> None:
+    """A request answered with an error never reaches the core: run what it left to undo
+    (`request.state.release_on_refusal`: its place in a model's seq_id order). Not for 429:
+    the SDK resends that request, which takes the place again."""
+    release = getattr(request.state, "release_on_refusal", None)
+    if release is not None and status != 429:
+        request.state.release_on_refusal = None
+        release()
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
+        refused(request, exc.status)
         headers = {"retry-after": "1"} if exc.status == 429 else {}
-        return error_response(exc.status, str(exc), exc.field, **headers)
+        return error_response(exc.status, _redacted(request, str(exc)), exc.field, **headers)
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(request: Request, exc: InvalidRequestError):
         status = 404 if isinstance(exc, NotFoundError) else 400
-        return error_response(status, str(exc), exc.field)
+        refused(request, status)
+        return error_response(status, _redacted(request, str(exc)), exc.field)
 
     @app.exception_handler(ValidationError)
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc):
+        refused(request, 400)
         field, message = validation_message(exc)
         return error_response(400, message, field)
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException):
+        refused(request, exc.status_code)
         if exc.status_code == 404:
             message = f"{request.method} {request.url.path} is not supported by this server"
         else:
@@ -69,6 +89,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ClientDisconnect)
     async def _disconnected(request: Request, exc: ClientDisconnect):
+        refused(request, 400)
         # The caller hung up mid-upload: nobody gets this answer, and it is not a server fault.
         logger.info("client disconnected during %s %s", request.method, request.url.path)
         return error_response(
@@ -77,5 +98,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
+        refused(request, 500)
         logger.exception("unhandled error in %s %s", request.method, request.url.path)
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+        message = f"internal error: {type(exc).__name__}: {exc}"
+        return error_response(500, _redacted(request, message))

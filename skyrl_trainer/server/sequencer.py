@@ -4,7 +4,8 @@ The SDK numbers a training client's requests 1, 2, 3, ... and POSTs the chunks o
 `forward_backward` concurrently, lowest `seq_id` last. The backend core runs a model's
 requests in submission order, so the server submits them in `seq_id` order: a request
 whose predecessor has not arrived waits (at most `gap_timeout_s`, in case the predecessor
-never comes), and arriving predecessors release it.
+never comes), and arriving predecessors release it. A request the server refuses before it
+reaches the core gives its `seq_id` back at once (`skip`), so it leaves no gap.
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ class Sequencer:
             for fn in ready:
                 fn()
 
+    def skip(self, model_id: str, seq_id: int | None) -> None:
+        """`seq_id` will never start (its request was refused): the model's later requests
+        must not wait for it. Releases what waits behind it, as a start would."""
+        self.submit(model_id, seq_id, _nothing)
+
     def _release(self, queue: _ModelQueue) -> list[Callable[[], None]]:
         ready = []
         while queue.next_seq in queue.held:
@@ -70,3 +76,7 @@ class Sequencer:
             queue.next_seq = min(queue.held)
             for fn in self._release(queue):
                 fn()
+
+
+def _nothing() -> None:
+    pass

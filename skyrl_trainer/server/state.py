@@ -4,10 +4,12 @@ checkpoints (someone else's resource answers exactly like a missing one)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -32,6 +34,10 @@ class ServerState:
     db: ServerDatabase
     tracker: FutureTracker
     sequencer: Sequencer
+    redact: Callable[[str], str] = str
+    """What every error message passes through (`redaction.PathRedactor`)."""
+    _key_locks: dict[tuple[str, str], tuple[threading.Lock, int]] = field(default_factory=dict)
+    _key_locks_guard: threading.Lock = field(default_factory=threading.Lock)
 
     # ----- request bodies -----------------------------------------------------------------
 
@@ -69,10 +75,18 @@ class ServerState:
         self.core.create_session(session_id=session_id)  # re-attach after a restart
         return row
 
-    def model(self, owner: str, model_id: str) -> dict:
+    def model(
+        self, owner: str, model_id: str, request: Request | None = None, seq_id: int | None = None
+    ) -> dict:
+        """The caller's model. With `request` and `seq_id`, the request takes that place in
+        the model's order: if it is refused before it starts (a check below fails), the
+        error handler gives the place back, so the model's later requests do not wait for it
+        (a 429 keeps it: the SDK resends the same request)."""
         row = self.db.model(model_id)
         if row is None or row["owner"] != owner:
             raise ApiError(404, "model_id", f"unknown model '{model_id}'")
+        if request is not None and seq_id is not None:  # only the owner may free a place
+            request.state.release_on_refusal = lambda: self.sequencer.skip(model_id, seq_id)
         try:
             self.core.model(model_id)
         except Exception:
@@ -130,7 +144,7 @@ class ServerState:
 
         if model_id is not None:
             self.db.touch_model(model_id)
-            self.sequencer.submit(model_id, seq_id, begin)
+            self.sequencer.submit(model_id, seq_id, begin)  # the place is taken now
         else:
             begin()
         return request_id
@@ -155,22 +169,44 @@ class ServerState:
             request_id = self.start(
                 owner, request_type, run, encode, model_id=model_id, seq_id=seq_id
             )
+            request.state.release_on_refusal = None  # started: its place is used
             return future_response(request_id, future_model_id or model_id)
 
         return self.idempotent(request, owner, respond)
 
     def idempotent(self, request: Request, owner: str, respond: Callable[[], dict]) -> dict:
         """`respond()`, or the answer already given to this X-Idempotency-Key: an SDK retry
-        of a request whose response was lost must not run it twice."""
+        of a request whose response was lost must not run it twice, even when it arrives
+        while the first is still being answered."""
         key = request.headers.get("x-idempotency-key")
-        if key:
+        if not key:
+            return respond()
+        with self._key_lock(owner, key):
             earlier = self.db.idempotent_response(owner, key)
             if earlier is not None:
+                request.state.release_on_refusal = None  # the first request used the place
                 return earlier
-        response = respond()
-        if key:
+            response = respond()
             self.db.remember_response(owner, key, response)
-        return response
+            return response
+
+    @contextlib.contextmanager
+    def _key_lock(self, owner: str, key: str) -> Iterator[None]:
+        """One request at a time per idempotency key (the lock is dropped when unused)."""
+        name = (owner, key)
+        with self._key_locks_guard:
+            lock, users = self._key_locks.get(name, (threading.Lock(), 0))
+            self._key_locks[name] = (lock, users + 1)
+        try:
+            with lock:
+                yield
+        finally:
+            with self._key_locks_guard:
+                lock, users = self._key_locks[name]
+                if users == 1:
+                    del self._key_locks[name]
+                else:
+                    self._key_locks[name] = (lock, users - 1)
 
 
 def future_response(request_id: str, model_id: str | None = None, **extra: Any) -> dict:

@@ -8,7 +8,6 @@ that order (see `sequencer`).
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 from fastapi import APIRouter, Depends, Request
 from tinker import types
@@ -36,19 +35,21 @@ def _check_optimizer(config: types.OptimizerConfig | None) -> None:
         )
 
 
-def _folder_bytes(folder: Path) -> int:
-    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
-
-
 def _register_checkpoint(
     state: ServerState, owner: str, model_id: str, path: str, kind: str,
     ttl_seconds: int | None, user_metadata: dict | None,
 ) -> None:  # fmt: skip
-    folder, _ = state.core.store.resolve(path)
     expires_at = time.time() + ttl_seconds if ttl_seconds else None
     name = path.rsplit("/", 1)[1]
     state.db.add_checkpoint(
-        path, model_id, owner, kind, name, expires_at, _folder_bytes(folder), user_metadata
+        path,
+        model_id,
+        owner,
+        kind,
+        name,
+        expires_at,
+        state.core.checkpoint_size(path),
+        user_metadata,
     )
 
 
@@ -100,7 +101,7 @@ async def get_info(request: Request, owner: str = Depends(authenticate)):
 async def forward_backward(request: Request, owner: str = Depends(authenticate)):
     state = _state(request)
     call = decode_forward_backward_request(await state.body(request))
-    state.model(owner, call.model_id)
+    state.model(owner, call.model_id, request, call.seq_id)
     cap = state.config.limits.max_batch_datums
     if len(call.data) > cap:
         raise ApiError(400, "data", f"{len(call.data)} datums is over the limit of {cap}")
@@ -129,7 +130,7 @@ async def forward_backward(request: Request, owner: str = Depends(authenticate))
 async def optim_step(request: Request, owner: str = Depends(authenticate)):
     state = _state(request)
     body = await state.parse(request, types.OptimStepRequest)
-    state.model(owner, body.model_id)
+    state.model(owner, body.model_id, request, body.seq_id)
     if not isinstance(body.optim_params, types.AdamParams):
         raise ApiError(
             400, "optimizer_params", "this optimizer is not supported; the server trains with AdamW"
@@ -150,7 +151,7 @@ async def optim_step(request: Request, owner: str = Depends(authenticate)):
 async def save_weights(request: Request, owner: str = Depends(authenticate)):
     state = _state(request)
     body = await state.parse(request, types.SaveWeightsRequest)
-    state.model(owner, body.model_id)
+    state.model(owner, body.model_id, request, body.seq_id)
     if not body.path:
         raise ApiError(400, "path", "a checkpoint name is required")
 
@@ -182,7 +183,7 @@ async def save_weights(request: Request, owner: str = Depends(authenticate)):
 async def save_weights_for_sampler(request: Request, owner: str = Depends(authenticate)):
     state = _state(request)
     body = await state.parse(request, types.SaveWeightsForSamplerRequest)
-    model = state.model(owner, body.model_id)
+    model = state.model(owner, body.model_id, request, body.seq_id)
     if body.kind != "snapshot":
         raise ApiError(
             400, "kind", f"{body.kind!r} sampling clients are not supported; use 'snapshot'"
@@ -221,12 +222,13 @@ async def load_weights(request: Request, owner: str = Depends(authenticate)):
     (`session_id` + `model_seq_id`): a new model that starts from the checkpoint."""
     state = _state(request)
     body = await state.parse(request, types.LoadWeightsRequest)
+    if body.model_id is not None:  # first: a refusal below gives its seq_id back
+        state.model(owner, body.model_id, request, body.seq_id)
     state.checkpoint(owner, body.path)
     if body.path.split("/")[-2:-1] != ["weights"]:
         raise ApiError(400, "path", "load_weights needs a training checkpoint (.../weights/<name>)")
 
     if body.model_id is not None:
-        state.model(owner, body.model_id)
         model_id = body.model_id
 
         def run():

@@ -178,7 +178,7 @@ def test_checkpoint_paths_have_the_tinker_form(results):
     assert remote["paths"] == (["weights", "conf-state"], ["sampler_weights", "conf-sampler"])
 
 
-def test_async_forms_and_pickled_sampling_client(live_server, tiny_model_dir):
+def test_async_forms_and_pickled_sampling_client(live_server, tiny_model_dir, monkeypatch):
     service = live_server.service_client()
 
     async def run():
@@ -200,7 +200,10 @@ def test_async_forms_and_pickled_sampling_client(live_server, tiny_model_dir):
         types.ModelInput.from_ints(PROMPT), 2, types.SamplingParams(max_tokens=4, seed=3)
     ).result()
     assert [s.tokens for s in again.sequences] == [s.tokens for s in response.sequences]
-    assert clone.get_base_model() == sampler.get_base_model() == str(tiny_model_dir)
+    # The server names the model, never its path: the SDK loads the tokenizer by that name,
+    # here a folder of that name beside the current directory.
+    assert clone.get_base_model() == sampler.get_base_model() == tiny_model_dir.name
+    monkeypatch.chdir(tiny_model_dir.parent)
     assert tc.get_tokenizer().encode("hello") == sampler.get_tokenizer().encode("hello")
 
 
@@ -259,7 +262,7 @@ def test_rest_client(live_server, tiny_model_dir):
     sampler_path = tc.save_weights_for_sampler("rest-b").result().path
     rest = service.create_rest_client()
     caps = rest.get_server_capabilities().result()
-    assert caps.supported_models[0].model_name == str(tiny_model_dir)
+    assert caps.supported_models[0].model_name == tiny_model_dir.name
     run = rest.get_training_run(tc.model_id).result()
     assert (run.training_run_id, run.is_lora, run.lora_rank) == (tc.model_id, True, 4)
     assert run.last_checkpoint.tinker_path == state
@@ -274,7 +277,7 @@ def test_rest_client(live_server, tiny_model_dir):
     mine = rest.list_user_checkpoints(limit=100).result().checkpoints
     assert {state, sampler_path} <= {c.tinker_path for c in mine}
     info = rest.get_weights_info_by_tinker_path(state).result()
-    assert (info.base_model, info.is_lora, info.lora_rank) == (str(tiny_model_dir), True, 4)
+    assert (info.base_model, info.is_lora, info.lora_rank) == (tiny_model_dir.name, True, 4)
     rest.publish_checkpoint_from_tinker_path(state).result()
     assert rest.list_checkpoints(tc.model_id).result().checkpoints[0].public
     rest.unpublish_checkpoint_from_tinker_path(state).result()
@@ -291,7 +294,7 @@ def test_rest_client(live_server, tiny_model_dir):
     assert service.holder.get_session_id() in rest.list_sessions(limit=100).result().sessions
     sampler = tc.save_weights_and_get_sampling_client().result()
     got = rest.get_sampler(sampler._sampling_session_id).result()
-    assert got.base_model == str(tiny_model_dir)
+    assert got.base_model == tiny_model_dir.name
 
 
 def test_unsupported_calls_say_so(live_server, tiny_model_dir):

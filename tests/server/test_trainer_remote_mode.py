@@ -34,6 +34,9 @@ def test_remote_trainer_metrics_equal_local(
 ):
     live_server = one_row_server
     monkeypatch.setenv("TINKER_API_KEY", API_KEY)
+    # The server answers with the model's name, never its path ("tiny_llama0"): the SDK's
+    # get_tokenizer loads that name, which resolves here to a local copy of the tokenizer.
+    monkeypatch.chdir(tiny_model_dir.parent)
     remote_service = make_service_client(
         BackendSettings(kind="remote", base_url=live_server.base_url)
     )
