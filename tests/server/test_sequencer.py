@@ -116,3 +116,23 @@ def test_start_model_resets_the_cursor() -> None:
     assert rec.started == [1]
     seq.submit("m", 1, rec("1b"))
     assert rec.started == [1, "1b", 2]
+
+
+def test_skip_frees_the_place_and_releases_what_waits() -> None:
+    """A refused request's seq_id: skipping it starts the requests held behind it at once,
+    and a skip ahead of the cursor is remembered until the cursor reaches it."""
+    seq, rec = Sequencer(gap_timeout_s=30), Recorder()
+    seq.start_model("m")
+    seq.submit("m", 2, rec(2))
+    seq.skip("m", 1)
+    assert rec.started == [2]
+    seq.skip("m", 4)  # refused before 3 arrived
+    seq.submit("m", 5, rec(5))
+    assert rec.started == [2]
+    seq.submit("m", 3, rec(3))
+    assert rec.started == [2, 3, 5]
+    seq.skip("m", 1)  # already past: nothing changes
+    seq.skip("m", None)
+    seq.skip("unknown", 1)
+    seq.submit("m", 6, rec(6))
+    assert rec.started == [2, 3, 5, 6]
