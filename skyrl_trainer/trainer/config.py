@@ -122,6 +122,9 @@ class LoggingSettings:
     tensorboard: bool = False
     print_samples: int = 0
     """Print this many decoded samples per step."""
+    progress_every_s: float = 15.0
+    """A phase (sampling, training, evaluation, checkpoint) still running after this many seconds
+    prints a status line (done, rate, ETA) this often; 0: never."""
 
 
 @dataclass

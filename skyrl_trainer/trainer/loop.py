@@ -39,6 +39,7 @@ from skyrl_trainer.trainer.kl import estimate_kl
 from skyrl_trainer.trainer.metrics_log import MetricsLogger
 from skyrl_trainer.trainer.off_policy import truncated_importance_weights
 from skyrl_trainer.trainer.policy_losses import POLICY_LOSSES, clip_bounds
+from skyrl_trainer.trainer.progress import PhaseTimer
 from skyrl_trainer.trainer.reductions import loss_weights
 from skyrl_trainer.trainer.rollouts import Group, sample_groups, sample_seed, score_groups
 
@@ -102,26 +103,34 @@ class RLTrainer:
                 base_model=cfg.model.base_model
             ).result()
         self._prompt_cache: dict[int, list[int]] = {}
+        self.progress = PhaseTimer(cfg.logging.progress_every_s)
 
     # ----- setup -------------------------------------------------------------------------
 
     def _load_problems(self):
         d = self.cfg.data
         task = TaskConfig(format=d.format, system_prompt=d.system_prompt, instruction=d.instruction)
+        source = eval_source = "generated arithmetic"
         if d.format == "arithmetic":
             train_rows = generate_arithmetic_rows(d.arithmetic_rows, seed=self.cfg.seed)
             eval_rows = generate_arithmetic_rows(self.cfg.eval.num_prompts, seed=self.cfg.seed + 1)
         else:
             path = pick_data_source(d.path)
             train_rows = load_rows(path, d.split, field="data.path")
-            eval_rows = []
+            source, eval_rows, eval_source = f"{path} [{d.split}]", [], "none"
             if self.cfg.eval.every or self.cfg.eval.at_start:
                 eval_path = pick_data_source(d.eval_path or d.path)
                 eval_rows = load_rows(eval_path, d.eval_split, field="data.eval_path")
+                eval_source = f"{eval_path} [{d.eval_split}]"
         if d.max_train_rows:
             train_rows = train_rows[: d.max_train_rows]
         problems = build_problems(train_rows, task)
         eval_problems = build_problems(eval_rows[: self.cfg.eval.num_prompts], task)
+        print(
+            f"data: train {source}, {len(problems)} problems; eval {eval_source}, "
+            f"{len(eval_problems)} problems",
+            flush=True,
+        )
         return problems, eval_problems
 
     def _training_client(self, resume: LoopState | None):
@@ -169,7 +178,15 @@ class RLTrainer:
             prompts = [self._prompt(p) for p in problems]
             seeds = [sample_seed(cfg.seed, step, round_, i) for i in range(len(prompts))]
             t0 = time.monotonic()
-            rollouts = sample_groups(sampler, prompts, a.group_size, params, seeds)
+            rollouts = sample_groups(
+                sampler,
+                prompts,
+                a.group_size,
+                params,
+                seeds,
+                self.progress,
+                f"sampling step {step + 1}",
+            )
             t1 = time.monotonic()
             groups = [Group(p, t, r) for p, t, r in zip(problems, prompts, rollouts, strict=True)]
             score_groups(groups, self.rewards, self._decode, cfg.reward.correct_threshold)
@@ -259,6 +276,9 @@ class RLTrainer:
 
     def _train_metrics(self, rollouts, submitted, metrics: dict) -> None:
         a = self.cfg.algorithm
+        # Wait for the whole step's updates with a status line (each optim_step follows its
+        # forward_backward), so the loop below finds every result ready.
+        self.progress.results([s[-1] for s in submitted], "training", "mini-batches")
         clipped_tokens = POLICY_LOSSES[a.loss_fn].clipped
         bounds = clip_bounds(a.loss_fn, a.loss_fn_config) if clipped_tokens else None
         clipped = total = 0
@@ -390,14 +410,16 @@ class RLTrainer:
             pass_k=cfg.eval.pass_k,
             temperature=cfg.sampling.temperature,
             seed=cfg.seed,
+            progress=self.progress,
         )
 
     def save_checkpoint(self, steps_done: int) -> LoopState:
         name = f"step-{steps_done:06d}"
-        training_path = self.training.save_state(name).result().path
-        sampler_path = None
+        futures = [self.training.save_state(name)]
         if self.cfg.checkpoint.save_sampler_weights:
-            sampler_path = self.training.save_weights_for_sampler(name).result().path
+            futures.append(self.training.save_weights_for_sampler(name))
+        paths = [r.path for r in self.progress.results(futures, f"checkpoint {name}", "saves")]
+        training_path, sampler_path = paths[0], (paths[1] if len(paths) > 1 else None)
         state = LoopState(steps_done, self.stream.state_dict(), training_path, sampler_path)
         save_loop_state(self.output_dir, state)
         return state
