@@ -501,6 +501,10 @@ class BackendCore:
     def sampler_base_model(self, sampler_id: str) -> str:
         return self.samplers.binding(sampler_id).base_model
 
+    def sampler_tokenizer(self, sampler_id: str) -> Any:
+        """The tokenizer of the engine serving the sampler."""
+        return self.samplers.tokenizer(sampler_id)
+
     def sample(
         self,
         sampler_id: str,

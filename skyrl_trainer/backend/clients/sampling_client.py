@@ -67,7 +67,7 @@ class SamplingClient:
         return self._core.sampler_base_model(self.sampler_id)
 
     def get_tokenizer(self) -> Any:
-        return self._core.samplers.tokenizer(self.sampler_id)
+        return self._core.sampler_tokenizer(self.sampler_id)
 
     def __repr__(self) -> str:
         return f"SamplingClient(sampler_id={self.sampler_id!r}, model_path={self.model_path!r})"
