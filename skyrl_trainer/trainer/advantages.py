@@ -55,8 +55,8 @@ def _broadcast(
     ]
     if kl_GN is None:
         return advantages
-    flat = [np.asarray(k, dtype=np.float64) for group in kl_GN for k in group]
-    mean_kl = float(np.concatenate(flat).mean()) if flat and sum(map(len, flat)) else 0.0
+    flat = np.concatenate([np.asarray(k, np.float64) for group in kl_GN for k in group] or [[]])
+    mean_kl = float(flat.mean()) if flat.size else 0.0
     return [
         [a - coef * (np.asarray(k, dtype=np.float64) - mean_kl) for a, k in zip(ga, gk)]
         for ga, gk in zip(advantages, kl_GN, strict=True)

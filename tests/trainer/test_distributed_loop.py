@@ -20,7 +20,8 @@ from skyrl_trainer.backend.clients import ServiceClient
 from skyrl_trainer.backend.config import BackendConfig, SamplingConfig, TrainingConfig
 from skyrl_trainer.trainer.loop import RLTrainer
 
-from .test_loop import REWARD_MODULE, comparable, make_config
+from .loop_helpers import REWARD_MODULE, make_config
+from .test_loop import comparable
 
 ray = pytest.importorskip("ray")
 

@@ -3,66 +3,17 @@ and eval results appear, reward improves on a trivially learnable task, and an i
 resumed run reproduces the uninterrupted one."""
 
 import json
-import textwrap
 
 import pytest
 
-from skyrl_trainer.backend.clients import ServiceClient
-from skyrl_trainer.backend.config import BackendConfig, SamplingConfig, TrainingConfig
-from skyrl_trainer.trainer.config import TrainerConfig, build_config
 from skyrl_trainer.trainer.loop import RLTrainer
-
-# A dense, trivially learnable reward from a user module (loaded by "module:function"): the share
-# of the response's characters that are vowels (about 0.25 for the random model's tokens).
-REWARD_MODULE = textwrap.dedent(
-    """
-    def vowel_share(response, sample):
-        text = response.replace(" ", "")
-        return {"vowels": sum(c in "aeiou" for c in text) / max(len(text), 1)}
-    """
-)
+from tests.trainer.loop_helpers import make_config, make_service, write_reward_module
 
 
 @pytest.fixture
 def reward_module(tmp_path, monkeypatch):
-    (tmp_path / "my_rewards.py").write_text(REWARD_MODULE)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    return "my_rewards:vowel_share"
-
-
-def make_service(tmp_path) -> ServiceClient:
-    return ServiceClient(
-        BackendConfig(
-            storage_dir=str(tmp_path / "storage"),
-            training=TrainingConfig(dtype="float32", device="cpu"),
-            sampling=SamplingConfig(engine="torch", dtype="float32", device="cpu"),
-        )
-    )
-
-
-def make_config(tmp_path, tiny_model_dir, reward, **overrides) -> TrainerConfig:
-    data = {
-        "steps": 4,
-        "seed": 3,
-        "output_dir": str(tmp_path / "run"),
-        "model": {"base_model": str(tiny_model_dir), "lora_rank": 8},
-        "data": {"format": "arithmetic", "arithmetic_rows": 64},
-        "reward": {"fn": reward},
-        "sampling": {"max_tokens": 8},
-        "algorithm": {
-            "group_size": 4,
-            "batch_size": 4,
-            "learning_rate": 2e-2,
-            "loss_fn": "importance_sampling",
-            "num_mini_batches": 2,
-        },
-        "eval": {"every": 2, "num_prompts": 4},
-        "checkpoint": {"every": 2},
-    }
-    for key, value in overrides.items():
-        section, _, name = key.rpartition(".")
-        (data.setdefault(section, {}) if section else data)[name] = value
-    return build_config(data, TrainerConfig)
+    """A dense, trivially learnable reward from a user module (loaded by "module:function")."""
+    return f"{write_reward_module(tmp_path, monkeypatch)}:vowel_share"
 
 
 def comparable(metrics: dict) -> dict:
