@@ -834,7 +834,7 @@ def test_every_loss_end_to_end(sc, core, tiny_model_dir, vocab, loss_fn, config)
             inputs["clip_low_threshold"] = rng.uniform(0.75, 0.95, size=n).astype(np.float32)
             inputs["clip_high_threshold"] = rng.uniform(1.05, 1.25, size=n).astype(np.float32)
             keys += ["clip_low_threshold", "clip_high_threshold"]
-        np_inputs.append(inputs)
+        np_inputs.append({k: inputs[k] for k in keys})  # what the datum carries
         data.append(
             types.Datum(
                 model_input=d.model_input,
