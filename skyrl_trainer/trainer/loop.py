@@ -257,11 +257,23 @@ class RLTrainer:
             weight_decay=a.weight_decay,
             grad_clip_norm=a.grad_clip_norm,
         )
-        extra_inputs = POLICY_LOSSES[a.loss_fn].extra_inputs or (lambda w: {})
-        submitted = []
+        loss = POLICY_LOSSES[a.loss_fn]
+        extra_inputs = loss.extra_inputs or (lambda w: {})
+        submitted, skipped = [], 0
         for _ in range(a.epochs_per_batch):
             for chunk in chunks:
+                # Normalised over the whole mini-batch; then only the datums with a gradient are
+                # sent (GRPO groups whose rewards were all equal add exactly nothing to the sum).
                 weights = loss_weights([masks[i] for i in chunk], a.loss_reduction, max_len)
+                live = [
+                    (i, w)
+                    for i, w in zip(chunk, weights, strict=True)
+                    if loss.has_gradient(advantages[i] * w, w)
+                ]
+                skipped += len(chunk) - len(live)
+                if not live:  # no gradient at all: forward_backward + optim_step change nothing
+                    continue
+                chunk, weights = [i for i, _ in live], [w for _, w in live]
                 datums = [
                     build_rl_datum(
                         rollouts[i], advantages[i] * w, reference_logprobs[i], extra_inputs(w)
@@ -272,6 +284,7 @@ class RLTrainer:
                 opt = self.training.optim_step(adam)
                 submitted.append((chunk, weights, datums, fb, opt))
         metrics["train/learning_rate"] = adam.learning_rate
+        metrics["train/datums_without_gradient"] = skipped
         self._train_metrics(rollouts, submitted, metrics)
 
     def _train_metrics(self, rollouts, submitted, metrics: dict) -> None:

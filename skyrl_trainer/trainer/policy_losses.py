@@ -35,6 +35,14 @@ class PolicyLoss:
     config: dict[str, ConfigRange] = field(default_factory=dict)
     extra_inputs: ExtraInputs | None = None
     clipped: ClippedTokens | None = None
+    weighted_penalty: bool = False
+    """The loss has a term on every weighted token whatever its advantage (dro's penalty), so a
+    datum with all-zero advantages still has a gradient."""
+
+    def has_gradient(self, advantages: np.ndarray, weights: np.ndarray) -> bool:
+        """Whether a datum with these response-token advantages and loss weights adds anything
+        to the gradient (the loss is a sum over datums: one that adds nothing can be left out)."""
+        return bool(np.any(advantages != 0) or (self.weighted_penalty and np.any(weights != 0)))
 
 
 def _ppo_clipped(lp, ref, adv, low, high) -> np.ndarray:
@@ -70,7 +78,9 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {
     ),
     # dro's penalty is weighted per token like the policy term (0 on prompt positions).
     "dro": PolicyLoss(
-        config={"beta": ConfigRange(0.05, 0.0)}, extra_inputs=lambda w: {"weights": w}
+        config={"beta": ConfigRange(0.05, 0.0)},
+        extra_inputs=lambda w: {"weights": w},
+        weighted_penalty=True,
     ),
 }
 
