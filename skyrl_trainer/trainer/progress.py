@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import TextIO, TypeVar
 
 from skyrl_trainer.trainer.metrics_log import format_duration
@@ -31,9 +32,17 @@ class PhaseTimer:
         return Phase(self, label, total, unit)
 
     def results(self, futures: list, label: str, unit: str) -> list:
-        """Every future's result, in order, while the phase reports its progress."""
+        """Every future's result, in order, while the phase counts them as they complete (in
+        any order). Futures need only `result()` (the Tinker SDK's APIFuture): a waiter thread
+        per future (at most 32 at a time) tells when each is done."""
         with self.phase(label, len(futures), unit) as phase:
-            return [phase.advance(future.result()) for future in futures]
+            if self.every_s <= 0 or len(futures) <= 1:
+                return [phase.advance(future.result()) for future in futures]
+            with ThreadPoolExecutor(min(len(futures), 32), thread_name_prefix="wait") as pool:
+                waits = [pool.submit(future.result) for future in futures]
+                for _ in as_completed(waits):
+                    phase.advance(None)
+                return [w.result() for w in waits]
 
 
 class Phase:

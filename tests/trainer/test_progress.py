@@ -67,3 +67,11 @@ def test_a_failing_future_ends_the_phase_and_stops_its_ticker():
     time.sleep(0.1)
     assert threading.active_count() <= before
     assert "sampling" not in timer.last_duration_s  # a failed phase is no estimate
+
+
+def test_items_count_as_they_complete_not_in_order():
+    """The first future is the slowest: the others still count as done when they finish."""
+    out = io.StringIO()
+    timer = PhaseTimer(every_s=0.15, stream=out)
+    assert timer.results(futures_done_after([0.5, 0.02, 0.03]), "eval", "prompts") == [0, 1, 2]
+    assert "eval: 2/3 prompts" in out.getvalue()
