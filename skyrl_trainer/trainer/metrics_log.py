@@ -44,6 +44,7 @@ class MetricsLogger:
         self.total_steps = total_steps
         self.start_step = start_step
         self.started = time.monotonic()
+        self._step_times: list[float] = []
         self.stream = stream or sys.stdout
         self._wandb = None
         self._tb = None
@@ -76,10 +77,15 @@ class MetricsLogger:
         print(self.progress_line(step, metrics), file=self.stream, flush=True)
 
     def progress_line(self, step: int, metrics: dict[str, float]) -> str:
-        done = step - self.start_step
-        elapsed = time.monotonic() - self.started
-        rate = done / elapsed if elapsed > 0 else 0.0
-        eta = (self.total_steps - step) / rate if rate > 0 else math.inf
+        if "time/step_s" in metrics:
+            self._step_times.append(metrics["time/step_s"])
+        if self._step_times:  # from step times alone: a long start-up eval is no step
+            per_step = sum(self._step_times) / len(self._step_times)
+            eta = (self.total_steps - step) * per_step
+        else:
+            done = step - self.start_step
+            elapsed = time.monotonic() - self.started
+            eta = (self.total_steps - step) * elapsed / done if done > 0 else math.inf
         parts = [f"step {step}/{self.total_steps}"]
         for key, label, fmt in CONSOLE_KEYS:
             if key in metrics:

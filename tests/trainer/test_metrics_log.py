@@ -22,6 +22,9 @@ def test_jsonl_and_progress_line(tmp_path):
     first, second = out.getvalue().splitlines()
     assert first.startswith("step 5/10 | reward 0.250 | pass 0.50 | 2.0 s/step | ETA ")
     assert "eval@1 0.125" in second and "ETA" in second
+    # The ETA is the remaining steps at the mean step time (here 2 s), not the wall time since
+    # start (a long evaluation before the first step is no step).
+    assert first.endswith("ETA 0m10s") and second.endswith("ETA 0m08s")
     assert format_duration(3725) == "1h02m" and format_duration(65) == "1m05s"
 
 
