@@ -111,6 +111,8 @@ def test_overlong_filter_wins_over_kl(tmp_path, tiny_model_dir, rewards):
     (metrics,) = trainer.run()
     assert metrics["response/truncated_frac"] == 1.0
     assert abs(metrics["kl/mean"]) > 1e-4  # the policy moved: a KL term would be nonzero
+    # Nothing with a gradient: no datum sent, or only all-zero ones.
+    assert metrics["train/datums_without_gradient"] == metrics["train/sequences"]
     for datums, *_ in calls.calls:
         for datum in datums:
             assert not np.any(np.asarray(datum.loss_fn_inputs["advantages"].tolist()))
@@ -168,16 +170,19 @@ def test_clip_frac_in_the_loop(tmp_path, tiny_model_dir, rewards):
     trainer = RLTrainer(cfg, make_service(tmp_path))
     calls = record(trainer)
     (metrics,) = trainer.run()
-    clipped = 0
+    prompts = [list(p) for p in trainer._prompt_cache.values()]
+    clipped = response_tokens = 0
     for datums, _, _, future in calls.calls:
         for datum, out in zip(datums, future.result().loss_fn_outputs, strict=True):
+            ints = datum.model_input.to_ints()
+            prompt_len = next(len(p) for p in prompts if ints[: len(p)] == p)
+            response_tokens += len(ints) - (prompt_len - 1)
             ratio = np.exp(
                 np.asarray(out["logprobs"].tolist(), dtype=np.float64)
                 - np.asarray(datum.loss_fn_inputs["logprobs"].tolist())
             )
             adv = np.asarray(datum.loss_fn_inputs["advantages"].tolist())
             clipped += int((((adv > 0) & (ratio > 1.05)) | ((adv < 0) & (ratio < 0.95))).sum())
-    response_tokens = metrics["response/mean_tokens"] * metrics["train/sequences"]
     assert clipped > 0
     assert metrics["train/clip_frac"] == pytest.approx(clipped / response_tokens, rel=1e-9)
 
