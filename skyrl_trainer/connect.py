@@ -27,3 +27,23 @@ def make_service_client(settings: BackendSettings):
             )
         return tinker.ServiceClient(base_url=settings.base_url, api_key=api_key)
     raise ConfigError(f"backend.kind: {settings.kind!r} is not one of ['local', 'remote']")
+
+
+def training_tokenizer(training_client, base_model: str):
+    """The tokenizer of the model `training_client` trains. A remote server names its models
+    and never says where they live: the SDK loads the tokenizer by that name (a hub repository),
+    which fails offline or for a folder the server serves under its own name. Then the
+    tokenizer of `base_model` as configured here is loaded (the same model, resolved locally)."""
+    try:
+        return training_client.get_tokenizer()
+    except (OSError, ValueError) as sdk_error:
+        from skyrl_trainer.backend.model_loading import load_tokenizer, resolve_model_dir
+
+        try:
+            return load_tokenizer(resolve_model_dir(base_model))
+        except Exception as exc:
+            raise ConfigError(
+                f"model.base_model: no tokenizer for {base_model!r}: the service's tokenizer "
+                f"could not be loaded ({sdk_error}) and {base_model!r} does not resolve here "
+                f"({exc})"
+            ) from exc

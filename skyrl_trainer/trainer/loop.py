@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 from tinker import types
 
+from skyrl_trainer.connect import training_tokenizer
 from skyrl_trainer.data import (
     PromptStream,
     TaskConfig,
@@ -91,7 +92,7 @@ class RLTrainer:
         self.problems, self.eval_problems = self._load_problems()
         resume = latest_loop_state(self.output_dir) if cfg.checkpoint.resume == "auto" else None
         self.training = self._training_client(resume)
-        self.tokenizer = self.training.get_tokenizer()
+        self.tokenizer = training_tokenizer(self.training, cfg.model.base_model)
         self.stream = PromptStream(self.problems, cfg.algorithm.batch_size, seed=cfg.seed)
         self.start_step = 0
         if resume is not None:

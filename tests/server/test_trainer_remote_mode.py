@@ -34,9 +34,6 @@ def test_remote_trainer_metrics_equal_local(
 ):
     live_server = one_row_server
     monkeypatch.setenv("TINKER_API_KEY", API_KEY)
-    # The server answers with the model's name, never its path ("tiny_llama0"): the SDK's
-    # get_tokenizer loads that name, which resolves here to a local copy of the tokenizer.
-    monkeypatch.chdir(tiny_model_dir.parent)
     remote_service = make_service_client(
         BackendSettings(kind="remote", base_url=live_server.base_url)
     )
@@ -62,6 +59,8 @@ def test_remote_trainer_metrics_equal_local(
         for key, value in comparable(q).items():
             assert r[key] == pytest.approx(value, rel=1e-4, abs=1e-5), (step, key)
     assert "eval/pass@1" in remote[-1]
+    # The server names the model "tiny_llama0", never its folder: the SDK cannot load that
+    # tokenizer here, so the trainer loaded its configured model.base_model's.
     # the checkpoint was written by the server, into its storage
     saved = list((live_server.storage_dir).rglob("step-000003"))
     assert saved, "the remote run's checkpoint is in the server's storage"
