@@ -293,7 +293,7 @@ def test_only_served_base_models_and_no_server_paths(server, tiny_model_dir, tmp
     assert json.loads(answers[5])["base_model"] == served
 
 
-def test_session_refusals_name_the_field(server):
+def test_raw_create_model_with_an_unserved_base_model_fails_by_name(server):
     with http(server, KEY_A) as client:
         session = client.post("/create_session", json=NEW_SESSION).json()["session_id"]
         r = client.post("/create_model", json={
