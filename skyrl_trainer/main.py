@@ -18,11 +18,14 @@ from skyrl_trainer.trainer.config import ConfigError, TrainerConfig, build_confi
 def run(cfg: DictConfig) -> list[dict]:
     """Build the trainer config and the service client, then train; returns per-step metrics."""
     from skyrl_trainer.connect import make_service_client
-    from skyrl_trainer.trainer.loop import RLTrainer
+    from skyrl_trainer.trainer.config import validate_config
+    from skyrl_trainer.trainer.loop import RLTrainer, load_plugins
 
     container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     container.pop("hydra", None)
     trainer_config = build_config(container, TrainerConfig)
+    load_plugins(trainer_config.plugins)
+    validate_config(trainer_config)  # before any model loads or any connection is made
     service = make_service_client(trainer_config.backend)
     return RLTrainer(trainer_config, service).run()
 

@@ -115,3 +115,25 @@ def test_remote_needs_url_and_lora():
         validate_config(cfg)
     with pytest.raises(MissingMandatoryValue, match="base_url"):
         composed("backend=remote")
+
+
+def test_main_refuses_a_bad_config_before_connecting(monkeypatch):
+    """`python -m skyrl_trainer.main`: a value validate_config refuses stops the run before the
+    service client is made (no model loads, no connection to a remote service)."""
+    from skyrl_trainer import connect, main
+
+    def must_not_connect(*args, **kwargs):
+        raise AssertionError("the service client was made before the config was checked")
+
+    monkeypatch.setattr(connect, "make_service_client", must_not_connect)
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        cfg = compose(
+            config_name="config",
+            overrides=[
+                "backend=remote",
+                "backend.base_url=http://127.0.0.1:9",
+                "+algorithm.loss_fn_config={clip_low_threshold: 2.0}",
+            ],
+        )
+    with pytest.raises(ConfigError, match="algorithm.loss_fn_config.clip_low_threshold"):
+        main.run(cfg)
