@@ -12,6 +12,7 @@ import sys
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from skyrl_trainer.allocator import tune_malloc
 from skyrl_trainer.trainer.config import ConfigError, TrainerConfig, build_config
 
 
@@ -33,6 +34,7 @@ def run(cfg: DictConfig) -> list[dict]:
 @hydra.main(version_base="1.3", config_path="../configs", config_name="config")
 def main(cfg: DictConfig) -> None:
     logging.getLogger("vllm").setLevel(logging.WARNING)
+    tune_malloc()  # before the backend's threads start: freed tensors go back to the OS
     try:
         run(cfg)
     except ConfigError as exc:

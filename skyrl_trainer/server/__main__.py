@@ -12,6 +12,7 @@ import os
 
 import uvicorn
 
+from skyrl_trainer.allocator import tune_malloc
 from skyrl_trainer.backend.config import BackendConfig, SamplingConfig, TrainingConfig
 from skyrl_trainer.server.app import create_app
 from skyrl_trainer.server.config import ServerConfig, ServerLimits
@@ -106,6 +107,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    tune_malloc()  # before any thread starts: freed tensors go back to the OS
     config, log_level = parse_args(argv)
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
