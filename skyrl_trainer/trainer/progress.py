@@ -67,7 +67,7 @@ class Phase:
         if self._thread.is_alive():
             self._thread.join()
         elapsed = time.monotonic() - self.started
-        if exc_type is None:
+        if exc_type is None and self.total:  # an empty phase (nothing to train) is no estimate
             self.timer.last_duration_s[self.key] = elapsed
             if self.reported:
                 self._print(

@@ -50,6 +50,9 @@ def test_eta_before_the_first_item_comes_from_the_last_run_of_the_phase():
     timer.results(futures_done_after([0.35]), "training", "mini-batches")
     assert "0/1 mini-batches" in out.getvalue()
     assert "(last took 0 s)" in out.getvalue()  # an estimate, not "?"
+    # An empty phase (a step with nothing to train) leaves the estimate alone.
+    timer.results([], "training", "mini-batches")
+    assert timer.last_duration_s["training"] >= 0.3
     # Phases with a step number share their history ("sampling step 1" -> "sampling step 2").
     timer.results(futures_done_after([0.0]), "sampling step 1", "groups")
     assert "sampling" in timer.last_duration_s
