@@ -11,7 +11,6 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import TextIO, TypeVar
 
@@ -77,11 +76,6 @@ class Phase:
     def advance(self, item: T, n: int = 1) -> T:
         self.done += n
         return item
-
-    def iterate(self, items: Iterable[T]) -> Iterator[T]:
-        for item in items:
-            yield item
-            self.done += 1
 
     def status(self) -> str:
         """`<label>: 3/8 groups, 41 s, 0.07 groups/s, ETA 1m10s`."""
