@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from skyrl_trainer.backend.compute_dtype import probe_device, resolve_compute_dtype
+from skyrl_trainer.backend.compute_dtype import measured_slowdown, resolve_compute_dtype
 
 DTYPE_CHOICES = ["auto", "bfloat16", "float32"]
 DTYPE_HELP = "auto (default): bfloat16 where this device computes it natively, else float32"
@@ -50,7 +50,7 @@ def _version(package: str) -> str | None:
 def machine_info(**dtypes: str) -> dict:
     """The machine, and `dtypes` (e.g. ours="float32", trl="float32") as the sides used them."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    bf16 = probe_device(device)
+    bf16 = measured_slowdown(device)
     info = {
         "cpu_model": cpu_model(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),

@@ -12,6 +12,7 @@ measured slowdown and the setting to change.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import platform
@@ -150,15 +151,23 @@ def probe_device(device_type: str) -> DeviceBf16:
         ]
         if features:
             return DeviceBf16("cpu", True, f"CPU capability {capability}, {'+'.join(features)}")
-        slowdown = probe_bf16_slowdown()
-        return DeviceBf16(
-            "cpu", False, f"CPU capability {capability}, no AVX512-BF16/AMX", slowdown
-        )
+        # Decided without a probe; `measured_slowdown` times it only for a warning.
+        return DeviceBf16("cpu", False, f"CPU capability {capability}, no AVX512-BF16/AMX")
     slowdown = probe_bf16_slowdown()
     native = slowdown <= NATIVE_BF16_MAX_SLOWDOWN
     return DeviceBf16(
         "cpu", native, f"CPU capability {capability}, bf16 matmul {slowdown:.1f}x float32", slowdown
     )
+
+
+@functools.cache
+def measured_slowdown(device_type: str) -> DeviceBf16:
+    """`probe_device` with the bf16/float32 matmul ratio filled in (a ~0.5 s probe where bf16
+    is emulated): only for the warning about an explicit bf16, never on the `auto` path."""
+    device = probe_device(device_type)
+    if device.slowdown is None and device_type == "cpu" and not device.native_bf16:
+        device = dataclasses.replace(device, slowdown=probe_bf16_slowdown())
+    return device
 
 
 @functools.cache
@@ -183,6 +192,8 @@ def resolve_compute_dtype(
         choice = DtypeChoice(torch.float32, f"{field}=float32 on {device_type} (as configured)")
     elif device_type in ("cpu", "cuda"):
         choice = choose_dtype(requested, probe_device(device_type), field=field)
+        if choice.warning:  # name the slowdown as measured on this machine
+            choice = choose_dtype(requested, measured_slowdown(device_type), field=field)
     else:  # a device we know nothing about: float32 is the safe default
         choice = choose_dtype(
             requested, DeviceBf16(device_type, False, "bf16 support unknown"), field=field

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import platform
 import warnings
 
 import pytest
@@ -114,11 +115,12 @@ def test_probe_of_this_cpu_agrees_with_what_torch_reports():
     assert torch.backends.cpu.get_cpu_capability() in device.detail
     if not device.native_bf16:
         # Emulated bf16 is measurably slower: the warning's number is a real measurement.
-        assert device.slowdown is not None and device.slowdown > 1.0
+        assert cd.measured_slowdown("cpu").slowdown > 1.0
 
 
 def test_resolve_logs_once_and_warns_for_emulated_bf16(caplog, monkeypatch):
     monkeypatch.setattr(cd, "probe_device", lambda device_type: AVX2)
+    monkeypatch.setattr(cd, "measured_slowdown", lambda device_type: AVX2)
     cd._announce.cache_clear()
     with caplog.at_level(logging.INFO, logger=cd.__name__):
         assert cd.resolve_compute_dtype("auto", "cpu", field=FIELD) is torch.float32
@@ -141,3 +143,25 @@ def test_explicit_float32_needs_no_probe(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert cd.resolve_compute_dtype("float32", "cpu", field=FIELD) is torch.float32
+
+
+@pytest.mark.skipif(
+    platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 decides by CPU flags"
+)
+def test_auto_on_x86_costs_no_probe(monkeypatch):
+    """On x86 torch's CPU flags decide; the ~0.5 s matmul probe runs only to put a number in the
+    warning about an explicit bf16, never at an `auto` start-up."""
+
+    def fail(*args, **kwargs):
+        raise AssertionError("auto must not time matmuls on x86")
+
+    monkeypatch.setattr(cd, "probe_bf16_slowdown", fail)
+    cd.probe_device.cache_clear()
+    cd._announce.cache_clear()
+    try:
+        native = cd.probe_device("cpu").native_bf16
+        expected = torch.bfloat16 if native else torch.float32
+        assert cd.resolve_compute_dtype("auto", "cpu", field=FIELD) is expected
+    finally:
+        cd.probe_device.cache_clear()
+        cd._announce.cache_clear()
