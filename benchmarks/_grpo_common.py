@@ -105,7 +105,13 @@ def our_config(s: Settings, workdir: Path):
                 "sampling": {"engine": s.our_engine, "dtype": s.dtype},
             },
         },
-        "model": {"base_model": s.model, "lora_rank": s.lora_rank if s.mode == "lora" else 0},
+        # TRL refuses a LoRA adapter on lm_head (it computes log-probs from lm_head.weight), so
+        # both sides adapt the attention and MLP projections only.
+        "model": {
+            "base_model": s.model,
+            "lora_rank": s.lora_rank if s.mode == "lora" else 0,
+            "train_unembed": False,
+        },
         "data": {
             "path": s.data_path,
             "split": "train",
@@ -136,19 +142,10 @@ def our_config(s: Settings, workdir: Path):
 def run_ours(s: Settings, workdir: Path) -> tuple[dict, list]:
     """Train our side; returns (run record, the problems of every step in the order served)."""
     from skyrl_trainer.connect import make_service_client
+    from skyrl_trainer.data import render_prompt
     from skyrl_trainer.trainer.loop import RLTrainer
 
     class Trainer(RLTrainer):
-        def _training_client(self, resume):
-            m = self.cfg.model
-            if m.lora_rank == 0:
-                return super()._training_client(resume)
-            # TRL refuses a LoRA adapter on lm_head (it computes log-probs from lm_head.weight),
-            # so both sides adapt the attention and MLP projections only.
-            return self.service.create_lora_training_client(
-                m.base_model, rank=m.lora_rank, seed=self.cfg.seed, train_unembed=False
-            ).result()
-
         def save_checkpoint(self, steps_done):  # the end-of-run checkpoint is not part of the work
             return None
 
@@ -156,9 +153,14 @@ def run_ours(s: Settings, workdir: Path) -> tuple[dict, list]:
     cfg = our_config(s, workdir)
     service = make_service_client(cfg.backend)
     trainer = Trainer(cfg, service)
-    stream = copy.deepcopy(trainer.stream)  # the exact prompts of every step, handed to TRL
+    run_state = trainer.run_state
+    stream = copy.deepcopy(run_state.stream)  # the exact prompts of every step, handed to TRL
     batches = [stream.next_batch() for _ in range(s.steps)]
-    prompt_ids = [trainer._prompt(p) for batch in batches for p in batch]
+    prompt_ids = [
+        render_prompt(run_state.tokenizer, p.prompt_messages, cfg.data.system_prompt)
+        for batch in batches
+        for p in batch
+    ]
     startup = time.monotonic() - started
     history = trainer.run()
     records, elapsed = [], 0.0
@@ -169,9 +171,9 @@ def run_ours(s: Settings, workdir: Path) -> tuple[dict, list]:
             {
                 "step": step,
                 "step_s": m["time/step_s"],
-                "sample_s": m["time/sample_s"],
+                "sample_s": m["time/rollouts_s"],
                 "train_s": m["time/train_s"],
-                "other_s": m["time/step_s"] - m["time/sample_s"] - m["time/train_s"],
+                "other_s": m["time/step_s"] - m["time/rollouts_s"] - m["time/train_s"],
                 "tokens_generated": round(m["response/mean_tokens"] * sequences),
                 "tokens_trained": int(m.get("train/tokens", 0)),
                 "reward_mean": m["reward/mean"],
@@ -180,7 +182,7 @@ def run_ours(s: Settings, workdir: Path) -> tuple[dict, list]:
                     k: m[k]
                     for k in (
                         "time/weight_sync_s",
-                        "time/reward_s",
+                        "time/env_s",
                         "pass_rate",
                         "train/clip_frac",
                         "train/grad_norm",

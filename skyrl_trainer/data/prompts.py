@@ -39,3 +39,40 @@ def render_prompt(
         return list(tokenizer.encode(text, add_special_tokens=False))
     text = "".join(f"{message['content']}\n" for message in messages)
     return list(tokenizer.encode(text))
+
+
+def render_observation(
+    tokenizer: ChatTokenizer, messages: list[dict], action_tokens: list[int], stop_token_ids
+) -> list[int]:
+    """Token ids to append after a sampled assistant turn so that the context continues with
+    `messages` (observations) and then the assistant's next reply prompt; earlier tokens are
+    never re-tokenised.
+
+    With a chat template, this is the difference the template makes between a conversation ending
+    with an assistant reply and the same conversation plus `messages` with the generation prompt,
+    preceded by whatever closes the assistant turn: if the turn ended on a stop token (e.g.
+    `<|im_end|>`) only the template's text after that token (e.g. "\\n"); if it was cut (max
+    tokens), the whole end-of-turn text. Without a chat template: each message's content followed
+    by "\\n", after a "\\n" closing the turn.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        text = "\n" + "".join(f"{m['content']}\n" for m in messages)
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    reply = "\x00REPLY\x00"  # a marker no template alters, to find where the reply ends
+    base = [{"role": "user", "content": "\x00"}, {"role": "assistant", "content": reply}]
+    base_text = tokenizer.apply_chat_template(base, tokenize=False)
+    full_text = tokenizer.apply_chat_template(
+        base + list(messages), tokenize=False, add_generation_prompt=True
+    )
+    if not full_text.startswith(base_text):
+        raise ValueError(
+            "the chat template renders a conversation differently once messages follow an "
+            "assistant reply, so observations cannot continue the sampled tokens verbatim"
+        )
+    end_of_turn = base_text[base_text.rindex(reply) + len(reply) :]
+    if action_tokens and action_tokens[-1] in set(stop_token_ids):
+        stop_text = tokenizer.decode([action_tokens[-1]])
+        if end_of_turn.startswith(stop_text):
+            end_of_turn = end_of_turn[len(stop_text) :]
+    text = end_of_turn + full_text[len(base_text) :]
+    return list(tokenizer.encode(text, add_special_tokens=False))

@@ -65,6 +65,22 @@ ARITHMETIC_OPS: dict[str, Callable[[int, int], int]] = {
 }
 
 
+#: Formats whose rows are generated, not read: name -> `generate(n, seed) -> rows`.
+GENERATED_ROWS: dict[str, Callable[[int, int], list[dict]]] = {}
+
+
+def register_generated_rows(name: str):
+    """Decorator: rows of format `name` come from this `generate(n, seed)` function, so
+    `data.path` is not read for it (`data.generated_rows` rows for training, `eval.num_prompts`
+    more with seed + 1 for evaluation)."""
+
+    def decorator(function):
+        GENERATED_ROWS[name] = function
+        return function
+
+    return decorator
+
+
 def register_task_format(name: str) -> Callable[[TaskFormat], TaskFormat]:
     """Decorator registering a task format under `name`; raises ValueError if the name is taken."""
 
@@ -125,6 +141,7 @@ def gsm8k_ground_truth(solution: str) -> str:
     return answer
 
 
+@register_generated_rows("arithmetic")
 def generate_arithmetic_rows(
     n: int, seed: int, max_operand: int = 99, ops: tuple[str, ...] = ("+", "-")
 ) -> list[dict]:

@@ -14,6 +14,12 @@ from typing import Any
 
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 
+from skyrl_trainer.data.tasks import (
+    Problem,
+    TaskConfig,
+    register_generated_rows,
+    register_task_format,
+)
 from skyrl_trainer.envs.registry import register_env
 
 __all__ = ["GuessNumberEnv", "generate_guess_number_rows", "optimal_turns"]
@@ -139,3 +145,17 @@ class GuessNumberEnv(BaseTextEnv):
         if not metrics:
             return {}
         return {key: sum(float(m.get(key, 0)) for m in metrics) / len(metrics) for key in _METRICS}
+
+
+@register_generated_rows("guess_number")
+def _generated_rows(n: int, seed: int) -> list[dict]:
+    return generate_guess_number_rows(n, seed)
+
+
+@register_task_format("guess_number")
+def guess_number_format(row: dict, config: TaskConfig) -> Problem:
+    """`data.format=guess_number`: the opening message as the user turn, the secret as answer."""
+    question, answer = str(row["question"]), str(row["answer"]).strip()
+    return Problem(
+        [{"role": "user", "content": question}], {"question": question, "answer": answer}
+    )

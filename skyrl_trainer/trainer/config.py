@@ -27,6 +27,8 @@ class ModelSettings:
     base_model: str = "SmolLM2-135M-Instruct"
     lora_rank: int = 32
     """0 = full fine-tuning (an extension of the in-process backend; refused by remote services)."""
+    train_unembed: bool = True
+    """LoRA on lm_head too (Tinker's `train_unembed`); attention and MLP are always adapted."""
 
 
 @dataclass
@@ -41,8 +43,9 @@ class DataSettings:
     instruction: str | None = None
     """Overrides the format's instruction appended to each question."""
     max_train_rows: int | None = None
-    arithmetic_rows: int = 2000
-    """The `arithmetic` format generates its rows (train and eval) instead of reading a path."""
+    generated_rows: int = 2000
+    """Formats that generate their rows (arithmetic, guess_number) make this many for training
+    (and `eval.num_prompts` more for evaluation) instead of reading `path`."""
 
 
 @dataclass
@@ -52,6 +55,28 @@ class RewardSettings:
     timeout_s: float = 10.0
     correct_threshold: float = 1.0
     """A sample counts as correct (pass rate, pass@k) when its reward is at least this."""
+
+
+@dataclass
+class EnvSettings:
+    name: str = "single_turn"
+    """The environment each trajectory runs: `single_turn` (one response scored by `reward.fn`),
+    one of ours (guess_number, python_tool), a skyrl-gym id (gsm8k_multi_turn, ...) or
+    `my_pkg.module:ClassName` (a skyrl-gym BaseTextEnv)."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """Passed to the environment as `env_config`."""
+    max_turns: int = 8
+    """A trajectory ends after this many actions even if the environment is not done."""
+    max_context_tokens: int = 4096
+    """Prompt + actions + observations; a trajectory that would exceed it ends as truncated
+    (stop reason "length", so `algorithm.overlong_filter` removes it)."""
+    step_timeout_s: float | None = None
+    """Time-out of one environment call (init, step); default `reward.timeout_s`. A call that
+    times out or raises ends its trajectory with reward 0 (counted in `reward/errors`)."""
+    max_concurrency: int = 32
+    """Environment calls (tool runs) in flight at once."""
+    reward_discount: float = 1.0
+    """Trajectory return = sum over turns of reward_discount^t * reward_t."""
 
 
 @dataclass
@@ -121,7 +146,10 @@ class LoggingSettings:
     wandb_mode: str | None = None
     tensorboard: bool = False
     print_samples: int = 0
-    """Print this many decoded samples per step."""
+    """Print this many trajectories per step, turn by turn."""
+    save_trajectories: bool = True
+    """Write every trajectory of every step (messages per turn, rewards, stop reasons, token
+    counts) to `output_dir/trajectories.jsonl`."""
     progress_every_s: float = 15.0
     """A phase (sampling, training, evaluation, checkpoint) still running after this many seconds
     prints a status line (done, rate, ETA) this often; 0: never."""
@@ -136,6 +164,7 @@ class TrainerConfig:
     model: ModelSettings = field(default_factory=ModelSettings)
     data: DataSettings = field(default_factory=DataSettings)
     reward: RewardSettings = field(default_factory=RewardSettings)
+    env: EnvSettings = field(default_factory=EnvSettings)
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     algorithm: AlgorithmSettings = field(default_factory=AlgorithmSettings)
     eval: EvalSettings = field(default_factory=EvalSettings)
@@ -161,6 +190,7 @@ def _at_least(path: str, value, low) -> None:
 def validate_config(cfg: TrainerConfig) -> None:
     """Refuse values the run cannot use, before anything starts (registries must already hold
     the plugins' entries)."""
+    import skyrl_trainer.envs  # noqa: F401  (the built-in environments register their formats)
     from skyrl_trainer.data.tasks import TASK_FORMATS
     from skyrl_trainer.trainer.advantages import ADVANTAGE_ESTIMATORS
     from skyrl_trainer.trainer.kl import KL_ESTIMATORS
@@ -178,6 +208,13 @@ def validate_config(cfg: TrainerConfig) -> None:
             )
     _at_least("model.lora_rank", cfg.model.lora_rank, 0)
     _choice("data.format", cfg.data.format, TASK_FORMATS)
+    if cfg.env.name == "single_turn":
+        from skyrl_trainer.rewards import get_reward_fn
+
+        try:
+            get_reward_fn(cfg.reward.fn)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
     _at_least("steps", cfg.steps, 1)
     a = cfg.algorithm
     _choice("algorithm.advantage_estimator", a.advantage_estimator, ADVANTAGE_ESTIMATORS)
@@ -221,3 +258,22 @@ def validate_config(cfg: TrainerConfig) -> None:
     _at_least("checkpoint.every", cfg.checkpoint.every, 0)
     _choice("checkpoint.resume", cfg.checkpoint.resume, ("auto", "never"))
     _at_least("reward.timeout_s", cfg.reward.timeout_s, 0.001)
+    _validate_env(cfg.env)
+
+
+def _validate_env(env: EnvSettings) -> None:
+    from skyrl_trainer.envs import get_env_class
+
+    try:
+        get_env_class(env.name)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    if not isinstance(env.config, dict):
+        raise ConfigError(f"env.config: expected a mapping, got {env.config!r}")
+    _at_least("env.max_turns", env.max_turns, 1)
+    _at_least("env.max_context_tokens", env.max_context_tokens, 2)
+    if env.step_timeout_s is not None:
+        _at_least("env.step_timeout_s", env.step_timeout_s, 0.001)
+    _at_least("env.max_concurrency", env.max_concurrency, 1)
+    if not 0.0 < env.reward_discount <= 1.0:
+        raise ConfigError(f"env.reward_discount: {env.reward_discount!r} must be in (0, 1]")

@@ -10,16 +10,33 @@ from tinker import types
 
 @dataclass
 class Rollout:
-    """One sampled response to a prompt, with what the learner needs about it."""
+    """One trajectory (a sampled response, or several turns of actions and observations) after a
+    prompt, with what the learner needs about it.
+
+    `tokens` is everything after the prompt, verbatim: each turn's sampled action tokens (with the
+    stop token when it stopped) followed by the observation tokens the environment added. Only
+    action tokens were sampled: `action_mask` is 1 on them and 0 on observation tokens, whose
+    `sampler_logprobs` entries are placeholder zeros; no loss, KL or metric may read those.
+    """
 
     prompt_tokens: list[int]
-    tokens: list[int]  # the response (includes the stop token when it stopped)
-    sampler_logprobs: list[float]  # one per response token
-    stop_reason: str  # "stop" | "length"
+    tokens: list[int]
+    sampler_logprobs: list[float]  # one per token of `tokens` (0.0 on observation tokens)
+    stop_reason: str  # "stop" | "length" (the last action was cut, or the context budget ran out)
     reward: float = 0.0
     reward_components: dict[str, float] = field(default_factory=dict)
-    reward_error: str | None = None
+    reward_error: str | None = None  # the environment raised or timed out (reward 0)
     correct: bool = False
+    action_mask: list[float] | None = None  # None: every token is an action token
+    turns: list = field(default_factory=list)  # rollouts.Turn records, for logs and metrics
+    end_reason: str = "done"  # done | max_turns | context | env_error
+    env_metrics: dict = field(default_factory=dict)  # the environment's get_metrics()
+
+    def mask(self) -> np.ndarray:
+        """1.0 on the tokens the policy sampled, 0.0 on observation tokens."""
+        if self.action_mask is None:
+            return np.ones(len(self.tokens))
+        return np.asarray(self.action_mask, dtype=np.float64)
 
 
 def build_rl_datum(

@@ -52,7 +52,7 @@ def make_config(tmp_path, tiny_model_dir, reward, **overrides) -> TrainerConfig:
         "seed": 3,
         "output_dir": str(tmp_path / "run"),
         "model": {"base_model": str(tiny_model_dir), "lora_rank": 8},
-        "data": {"format": "arithmetic", "arithmetic_rows": 64},
+        "data": {"format": "arithmetic", "generated_rows": 64},
         "reward": {"fn": reward},
         "sampling": {"max_tokens": 8},
         "algorithm": {
@@ -91,3 +91,17 @@ class RecordingTrainingClient:
 def record(trainer) -> RecordingTrainingClient:
     trainer.training = RecordingTrainingClient(trainer.training)
     return trainer.training
+
+
+def spy_on_batches(monkeypatch) -> list:
+    """Record every batch the loop collects (`collect.Batch`: trained and sampled groups)."""
+    from skyrl_trainer.trainer import loop
+
+    batches, collect = [], loop.collect_batch
+
+    def spy(*args, **kwargs):
+        batches.append(collect(*args, **kwargs))
+        return batches[-1]
+
+    monkeypatch.setattr(loop, "collect_batch", spy)
+    return batches

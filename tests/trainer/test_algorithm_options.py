@@ -13,7 +13,13 @@ from skyrl_trainer.backend.losses import LOSS_FNS, get_loss, resolve_loss_config
 from skyrl_trainer.trainer.config import ConfigError, TrainerConfig, build_config, validate_config
 from skyrl_trainer.trainer.loop import RLTrainer, learning_rate
 from skyrl_trainer.trainer.policy_losses import POLICY_LOSSES
-from tests.trainer.loop_helpers import make_config, make_service, record, write_reward_module
+from tests.trainer.loop_helpers import (
+    make_config,
+    make_service,
+    record,
+    spy_on_batches,
+    write_reward_module,
+)
 from tests.trainer.test_configs import composed
 
 
@@ -152,7 +158,7 @@ def test_clip_rules_against_hand_computed_tokens():
         assert POLICY_LOSSES[name].clipped is None
 
 
-def test_clip_frac_in_the_loop(tmp_path, tiny_model_dir, rewards):
+def test_clip_frac_in_the_loop(tmp_path, tiny_model_dir, rewards, monkeypatch):
     """ppo with two mini-batches (the second is off-policy): train/clip_frac is the share of
     response tokens whose clipped term was active, recomputed here from the requests and the
     learner's log-probs; importance_sampling reports no clip fraction at all."""
@@ -169,8 +175,9 @@ def test_clip_frac_in_the_loop(tmp_path, tiny_model_dir, rewards):
     )
     trainer = RLTrainer(cfg, make_service(tmp_path))
     calls = record(trainer)
+    batches = spy_on_batches(monkeypatch)
     (metrics,) = trainer.run()
-    prompts = [list(p) for p in trainer._prompt_cache.values()]
+    prompts = [g.prompt_tokens for b in batches for g in b.sampled]
     clipped = response_tokens = 0
     for datums, _, _, future in calls.calls:
         for datum, out in zip(datums, future.result().loss_fn_outputs, strict=True):
@@ -262,8 +269,8 @@ def test_dynamic_sampling_samples_every_prompt_it_takes(tmp_path, tiny_model_dir
     trainer = RLTrainer(cfg, make_service(tmp_path))
     history = trainer.run()
     sampled = sum(m["groups/sampled"] for m in history)
-    stream = trainer.stream
-    assert stream.epoch * len(trainer.problems) + stream.position == sampled
+    stream = trainer.run_state.stream
+    assert stream.epoch * len(stream._problems) + stream.position == sampled
     assert any(m["groups/sampled"] > cfg.algorithm.batch_size for m in history)  # refills ran
     for m in history:
         assert m["train/sequences"] <= cfg.algorithm.batch_size * cfg.algorithm.group_size

@@ -44,7 +44,13 @@ from tinker import types
 
 from skyrl_trainer.trainer.loop import RLTrainer
 from skyrl_trainer.trainer.policy_losses import POLICY_LOSSES
-from tests.trainer.loop_helpers import make_config, make_service, record, write_reward_module
+from tests.trainer.loop_helpers import (
+    make_config,
+    make_service,
+    record,
+    spy_on_batches,
+    write_reward_module,
+)
 from tests.trainer.test_algorithm_options import lp_gradient
 
 ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce++")
@@ -137,7 +143,7 @@ def with_prompt_logprobs(datum, prompt_len: int, rng) -> types.Datum:
     ],
 )
 @pytest.mark.usefixtures("one_torch_thread")
-def test_combination(shared, eos_model_dir, estimator, loss_fn, kl, overlong, dynamic):
+def test_combination(shared, eos_model_dir, estimator, loss_fn, kl, overlong, dynamic, monkeypatch):
     folder, service, reward = shared
     name = f"{estimator}-{loss_fn}-{kl}-{overlong}-{dynamic}"
     cfg = make_config(
@@ -162,10 +168,8 @@ def test_combination(shared, eos_model_dir, estimator, loss_fn, kl, overlong, dy
     )
     trainer = RLTrainer(cfg, service)
     calls = record(trainer)
-    try:
-        history = [trainer.step(0), trainer.step(1)]
-    finally:
-        trainer.rewards.close()
+    batches = spy_on_batches(monkeypatch)
+    history = [trainer.step(0), trainer.step(1)]
 
     for metrics in history:
         bad = {k: v for k, v in metrics.items() if not math.isfinite(float(v))}
@@ -174,7 +178,7 @@ def test_combination(shared, eos_model_dir, estimator, loss_fn, kl, overlong, dy
     if not calls.calls:  # every datum was without gradient (all filtered or zero-variance)
         assert all(m["train/datums_without_gradient"] == m["train/sequences"] for m in history)
         return
-    prompts = [list(p) for p in trainer._prompt_cache.values()]
+    prompts = [g.prompt_tokens for b in batches for g in b.sampled]
     rng = np.random.default_rng(0)
     for datums, fn, config, future in calls.calls:
         perturbed = []

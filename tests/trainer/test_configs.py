@@ -38,7 +38,7 @@ def field_paths(cls, prefix=""):
 def dict_paths(data, prefix=""):
     paths = set()
     for key, value in data.items():
-        if isinstance(value, dict) and key not in ("local", "loss_fn_config"):
+        if isinstance(value, dict) and key not in ("local", "loss_fn_config", "config"):
             paths |= dict_paths(value, f"{prefix}{key}.")
         else:
             paths.add(f"{prefix}{key}")

@@ -10,7 +10,13 @@ import pytest
 from skyrl_trainer.trainer.advantages import is_zero_variance
 from skyrl_trainer.trainer.loop import RLTrainer
 from skyrl_trainer.trainer.policy_losses import POLICY_LOSSES
-from tests.trainer.loop_helpers import make_config, make_service, record, write_reward_module
+from tests.trainer.loop_helpers import (
+    make_config,
+    make_service,
+    record,
+    spy_on_batches,
+    write_reward_module,
+)
 
 
 @pytest.mark.parametrize("loss_fn", sorted(POLICY_LOSSES))
@@ -36,16 +42,9 @@ def test_zero_variance_groups_are_not_sent_and_the_rest_are(tmp_path, tiny_model
     )
     trainer = RLTrainer(cfg, make_service(tmp_path))
     calls = record(trainer)
-    groups_seen = []
-    collect = trainer._collect_groups
-
-    def spy(*args):
-        groups, stats = collect(*args)
-        groups_seen.append(groups)
-        return groups, stats
-
-    trainer._collect_groups = spy
+    batches = spy_on_batches(monkeypatch)
     history = trainer.run()
+    groups_seen = [b.groups for b in batches]
     sent = sum(len(datums) for datums, *_ in calls.calls)
     live = sum(
         len(g.rollouts) for groups in groups_seen for g in groups if not is_zero_variance(g.rewards)

@@ -36,7 +36,8 @@ def test_run_writes_metrics_checkpoints_and_eval(tmp_path, tiny_model_dir, rewar
         "train/learning_rate",
         "sampler_learner_logprob_gap/mean",
         "throughput/tokens_per_s",
-        "time/sample_s",
+        "time/rollouts_s",
+        "rollout/turns_mean",
         "time/weight_sync_s",
     ):
         assert key in lines[-1], key
