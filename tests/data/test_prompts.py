@@ -57,3 +57,38 @@ def test_no_chat_template_falls_back_to_plain_text():
     assert render_prompt(_PlainTokenizer(), MESSAGES, "Sys") == [0] + [
         ord(c) for c in "Sys\nWhat is 2 + 2?\n"
     ]
+
+
+@pytest.mark.parametrize("stopped", [True, False])
+def test_observation_continues_the_sampled_tokens_as_the_template_would(tokenizer, stopped):
+    """prompt + action + observation tokens == the template's rendering of the conversation:
+    after a stop token only the template's text after it ("\\n"); after a cut action the whole
+    end of turn ("<|im_end|>\\n")."""
+    from skyrl_trainer.data.prompts import render_observation
+
+    prompt = render_prompt(tokenizer, [{"role": "user", "content": "Guess."}])
+    action = tokenizer.encode("7", add_special_tokens=False)
+    if stopped:
+        action = action + [tokenizer.eos_token_id]
+    feedback = [{"role": "user", "content": "Higher."}]
+    observation = render_observation(tokenizer, feedback, action, {tokenizer.eos_token_id})
+    expected = render_prompt(
+        tokenizer,
+        [{"role": "user", "content": "Guess."}, {"role": "assistant", "content": "7"}, *feedback],
+    )
+    assert prompt + action + observation == expected
+    first = tokenizer.decode(observation[:1])
+    assert first == ("\n" if stopped else "<|im_end|>")
+
+
+def test_observation_without_chat_template_is_plain_text():
+    from skyrl_trainer.data.prompts import render_observation
+
+    class Plain:
+        chat_template = None
+
+        def encode(self, text, add_special_tokens=True):
+            return [ord(c) for c in text]
+
+    tokens = render_observation(Plain(), [{"role": "user", "content": "Lower."}], [1, 2], set())
+    assert "".join(map(chr, tokens)) == "\nLower.\n"
