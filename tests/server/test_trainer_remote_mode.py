@@ -64,3 +64,42 @@ def test_remote_trainer_metrics_equal_local(
     # the checkpoint was written by the server, into its storage
     saved = list((live_server.storage_dir).rglob("step-000003"))
     assert saved, "the remote run's checkpoint is in the server's storage"
+
+
+def test_remote_multi_turn_rollouts_equal_local(
+    one_row_server, tiny_model_dir, tmp_path, monkeypatch
+):
+    """The same multi-turn environment rollouts through the official SDK against our server."""
+    from tests.trainer.test_rollouts import SCRIPTED_ENVS
+
+    (tmp_path / "scripted_envs.py").write_text(SCRIPTED_ENVS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("TINKER_API_KEY", API_KEY)
+    overrides = {
+        "steps": 2,
+        "eval.every": 0,
+        "checkpoint.every": 2,
+        "env.name": "scripted_envs:Scripted",
+        "env.config": {"turns": 3, "vowel_reward": True},
+    }
+    remote_service = make_service_client(
+        BackendSettings(kind="remote", base_url=one_row_server.base_url)
+    )
+    remote_cfg = make_config(tmp_path / "remote", tiny_model_dir, "arithmetic", **overrides)
+    local_cfg = make_config(tmp_path / "local", tiny_model_dir, "arithmetic", **overrides)
+    remote = RLTrainer(remote_cfg, remote_service).run()
+    local_service = ServiceClient(
+        BackendConfig(
+            storage_dir=str(tmp_path / "local" / "storage"),
+            training=TrainingConfig(dtype="float32", device="cpu"),
+            sampling=SamplingConfig(
+                engine="torch", dtype="float32", device="cpu", max_batch_size=1
+            ),
+        )
+    )
+    local = RLTrainer(local_cfg, local_service).run()
+    for step, (r, q) in enumerate(zip(remote, local, strict=True), start=1):
+        assert r["rollout/turns_mean"] == 3
+        assert comparable(r).keys() == comparable(q).keys()
+        for key, value in comparable(q).items():
+            assert r[key] == pytest.approx(value, rel=1e-4, abs=1e-5), (step, key)

@@ -42,9 +42,12 @@ SCRIPTED_ENVS = textwrap.dedent(
                 time.sleep(3)
             done = self.turns >= self.cfg.get("turns", 3)
             reply = [] if done else [{"role": "user", "content": f"Turn {self.turns} done."}]
+            reward = 0.5 if done else 0.1
+            if done and self.cfg.get("vowel_reward"):  # varies, so groups carry a gradient
+                reward = sum(c in "aeiou" for c in action) / max(len(action), 1)
             return {
                 "observations": reply,
-                "reward": 0.5 if done else 0.1,
+                "reward": reward,
                 "done": done,
                 "metadata": {"tool_call": True, "tool_error": "bad" if self.turns == 2 else None},
             }
