@@ -216,7 +216,7 @@ def trl_reward(name: str, timer: dict):
             text = completion[-1]["content"] if isinstance(completion, list) else completion
             try:
                 scores.append(normalize_reward(fn(text, json.loads(sample_json)))[0])
-            except Exception:  # as our RewardRunner: a failing reward scores 0
+            except Exception:  # as our environments: a failing reward scores 0
                 scores.append(0.0)
         timer["reward_s"] += time.perf_counter() - start
         return scores

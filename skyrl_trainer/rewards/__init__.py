@@ -8,8 +8,6 @@ from skyrl_trainer.rewards import arithmetic, gsm8k, math  # noqa: F401
 from skyrl_trainer.rewards.registry import (
     REWARD_FNS,
     RewardFn,
-    RewardResult,
-    RewardRunner,
     get_reward_fn,
     normalize_reward,
     register_reward,
@@ -18,8 +16,6 @@ from skyrl_trainer.rewards.registry import (
 __all__ = [
     "REWARD_FNS",
     "RewardFn",
-    "RewardResult",
-    "RewardRunner",
     "get_reward_fn",
     "normalize_reward",
     "register_reward",

@@ -1,4 +1,4 @@
-"""Reward functions: the registry, config-spec lookup, and a runner that scores batches safely.
+"""Reward functions: the registry, config-spec lookup, and the check of what a reward returns.
 
 A reward function is called as `fn(response_text, sample)`, where `sample` is the dataset row
 (the ground truth is under `"answer"`), and returns a float or a dict of named float components
@@ -11,11 +11,7 @@ from __future__ import annotations
 import importlib
 import math
 import numbers
-import queue
-import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 RewardFn = Callable[[str, dict], float | dict[str, float]]
@@ -123,17 +119,6 @@ def get_reward_fn(spec: str) -> RewardFn:
     return obj
 
 
-@dataclass
-class RewardResult:
-    """The score of one response: `total` (the reward), its named `components` (empty for a plain
-    float reward), and `error` when the reward raised, returned an invalid value or timed out
-    (then `total` is 0.0 and `components` is empty)."""
-
-    total: float
-    components: dict[str, float] = field(default_factory=dict)
-    error: str | None = None
-
-
 def normalize_reward(value: Any) -> tuple[float, dict[str, float]]:
     """A reward function's return value as `(total, components)`.
 
@@ -172,166 +157,6 @@ def _as_real(value: Any, what: str) -> float:
 def _is_scalar_array(value: Any) -> bool:
     # numpy scalars (incl. np.bool_, which is not a numbers.Real) and 0-d arrays/tensors.
     return callable(getattr(value, "item", None)) and getattr(value, "ndim", None) == 0
-
-
-class RewardRunner:
-    """Scores batches of responses concurrently, never letting one bad reward call hurt the rest.
-
-    Each call runs on one of `max_workers` daemon threads and is bounded by `timeout_s`, counted
-    from when that call started. A call that raises, returns an invalid value or runs out of
-    time scores `RewardResult(0.0, {}, error=...)`. A timed-out call's thread is abandoned (it
-    can only be stopped by finishing) and a fresh worker takes its place, so a hung reward
-    neither blocks later items or calls nor interpreter exit; it keeps its thread (and any CPU
-    it burns) until it returns. Threads cannot interrupt a reward that holds the GIL in one long
-    C call (a catastrophic regex, a huge integer power); rewards must avoid those.
-    """
-
-    def __init__(self, fn: RewardFn, timeout_s: float = 10.0, max_workers: int = 4):
-        if not callable(fn):
-            raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-        if max_workers < 1:
-            raise ValueError(f"max_workers must be at least 1, got {max_workers}")
-        self.fn = fn
-        self.timeout_s = float(timeout_s)
-        self.max_workers = int(max_workers)
-        self._tasks: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._live_workers = 0
-        self._closed = False
-
-    def score_many(self, items: list[tuple[str, dict]]) -> list[RewardResult]:
-        """One `RewardResult` per `(response_text, sample)` item, in order.
-
-        Never raises for what the reward does. Returns once every item has finished or run out
-        of time; with more hung items than workers, later items start as hung ones time out, so
-        the worst case is about `ceil(len(items) / max_workers) * timeout_s`.
-        """
-        if self._closed:
-            raise RuntimeError("RewardRunner is closed")
-        if not items:
-            return []
-        self._start_workers()
-        inbox: queue.SimpleQueue[tuple[str, int, Any]] = queue.SimpleQueue()
-        tasks = [_Task(i, response, sample, inbox) for i, (response, sample) in enumerate(items)]
-        for task in tasks:
-            self._tasks.put(task)
-
-        results: list[RewardResult | None] = [None] * len(tasks)
-        deadlines: dict[int, float] = {}  # started, unfinished items
-        remaining = len(tasks)
-        while remaining:
-            wait = None
-            if deadlines:
-                wait = max(0.0, min(deadlines.values()) - time.monotonic())
-            try:
-                kind, index, payload = inbox.get(timeout=wait)
-            except queue.Empty:
-                pass
-            else:
-                if kind == "started":
-                    deadlines[index] = payload + self.timeout_s
-                elif results[index] is None:
-                    results[index] = payload
-                    deadlines.pop(index, None)
-                    remaining -= 1
-            now = time.monotonic()
-            for index, deadline in list(deadlines.items()):
-                if deadline > now:
-                    continue
-                del deadlines[index]
-                if tasks[index].abandon():
-                    results[index] = RewardResult(
-                        0.0, {}, error=f"timed out after {self.timeout_s:g} s"
-                    )
-                    remaining -= 1
-                    self._replace_abandoned_worker()
-                # else it finished just in time and its result is already in the inbox
-        return results  # type: ignore[return-value]
-
-    def close(self) -> None:
-        """Stop the idle workers; abandoned (hung) ones exit when their call returns.
-        Idempotent; `score_many` afterwards raises RuntimeError."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            for _ in range(self._live_workers):
-                self._tasks.put(None)
-            self._live_workers = 0
-
-    def __enter__(self) -> RewardRunner:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def _start_workers(self) -> None:
-        with self._lock:
-            while self._live_workers < self.max_workers:
-                self._spawn_worker()
-                self._live_workers += 1
-
-    def _replace_abandoned_worker(self) -> None:
-        # The live count is unchanged: the abandoned worker exits once its call returns.
-        with self._lock:
-            if not self._closed:
-                self._spawn_worker()
-
-    def _spawn_worker(self) -> None:
-        name = f"reward-worker-{id(self):x}"
-        threading.Thread(target=self._work, name=name, daemon=True).start()
-
-    def _work(self) -> None:
-        while True:
-            task = self._tasks.get()
-            if task is None:
-                return
-            task.inbox.put(("started", task.index, time.monotonic()))
-            result = self._score(task.response, task.sample)
-            if not task.finish():
-                return  # abandoned after a timeout: a replacement worker has taken this place
-            task.inbox.put(("done", task.index, result))
-
-    def _score(self, response: str, sample: dict) -> RewardResult:
-        try:
-            value = self.fn(response, sample)
-        except BaseException as e:  # even SystemExit: a reward must never take a worker down
-            return RewardResult(0.0, {}, error=f"raised {type(e).__name__}: {e}")
-        try:
-            total, components = normalize_reward(value)
-        except (TypeError, ValueError) as e:
-            return RewardResult(0.0, {}, error=f"invalid return value: {e}")
-        return RewardResult(total, components)
-
-
-class _Task:
-    """One item of a `score_many` call; `finish` and `abandon` decide, once, who owns the result."""
-
-    def __init__(self, index: int, response: str, sample: dict, inbox: queue.SimpleQueue):
-        self.index = index
-        self.response = response
-        self.sample = sample
-        self.inbox = inbox
-        self._lock = threading.Lock()
-        self._state = "running"
-
-    def finish(self) -> bool:
-        """Called by the worker when the call returned: False if it was abandoned meanwhile."""
-        with self._lock:
-            if self._state == "abandoned":
-                return False
-            self._state = "finished"
-            return True
-
-    def abandon(self) -> bool:
-        """Called on timeout: False if the call finished meanwhile (its result is on the way)."""
-        with self._lock:
-            if self._state == "finished":
-                return False
-            self._state = "abandoned"
-            return True
 
 
 def _registered() -> str:

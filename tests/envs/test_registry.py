@@ -50,3 +50,12 @@ def test_single_turn_scores_with_the_reward_fn_and_keeps_components():
         )["reward"]
         == 0.0
     )
+
+
+def test_single_turn_refuses_an_invalid_reward_value(tmp_path, monkeypatch):
+    """The env raises (so the guarded call scores the trajectory 0 and records why)."""
+    (tmp_path / "bad_rewards.py").write_text("def none(response, sample):\n    return None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env = make_env("single_turn", {"reward_fn": "bad_rewards:none"}, {"sample": {}})
+    with pytest.raises(TypeError, match="expected a float or a dict"):
+        env.step("x")
