@@ -64,6 +64,7 @@ def make_engine(
             device=config.device,
             max_batch_size=config.max_batch_size,
             max_merged_adapters=config.max_merged_lora,
+            prefix_cache_tokens=config.prefix_cache_tokens,
             num_threads=torch.get_num_threads(),
         )
     raise InvalidRequestError(

@@ -132,6 +132,57 @@ class SlotKVCache(Cache):
         self._new_lens = prompt_lens if src is None else prompt_lens[src]
         return pos.expand(prompt_lens.shape[0], width), mask
 
+    def prepare_extend(
+        self,
+        prefixes: Sequence[torch.Tensor],
+        prefix_lens: torch.Tensor,
+        suffix_lens: torch.Tensor,
+        src: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Before a prefill forward of prompts that start with cached keys/values: forward row u
+        continues `prefixes[u]` (`[layers, 2, kv_heads, >= prefix_lens[u], head_dim]`) with its
+        right-padded suffix of `suffix_lens[u]` tokens. New rows `num_rows + i` take forward row
+        `src[i]` (None: row i): the prefix is copied into their slots now, the suffix's keys and
+        values are written after it by the forward. Returns (position_ids [u, S], attention mask
+        [u, 1, S, max prefix + S] over the slot positions)."""
+        width = int(suffix_lens.max())
+        u = prefix_lens.shape[0]
+        rows = torch.arange(u, device=self.device) if src is None else src
+        new_rows = rows.shape[0]
+        longest = int(prefix_lens.max()) + width
+        self.reserve(self.num_rows + new_rows, longest + 1)
+        assert self.buf is not None
+        start = self.num_rows
+        m = prefix_lens.tolist()
+        for i, row in enumerate(rows.tolist()):
+            self.buf[:, :, start + i, :, : m[row]] = prefixes[row][:, :, :, : m[row]]
+        heads, cap = self.dims[1], self.capacity[1]
+        slots = torch.arange(start, start + new_rows, device=self.device)
+        offsets = (slots[:, None] * heads + torch.arange(heads, device=self.device)) * cap
+        pos = torch.arange(width, device=self.device)
+        first = prefix_lens[rows]  # [new_rows]: where each new row's suffix starts
+        flat = offsets[:, :, None] + first[:, None, None] + pos[None, None, :]
+        self._flat_pos = flat.view(-1)
+        # Attention reads the slots of each forward row's first new row.
+        first_slot = torch.full((u,), -1, dtype=torch.long, device=self.device)
+        first_slot.scatter_reduce_(0, rows, slots, reduce="amin", include_self=False)
+        self._attend_slots = None if src is None else first_slot
+        self._mode, self._src, self._width, self._new = "extend", src, width, new_rows
+        self._key_len = longest
+        position_ids = prefix_lens[:, None] + pos[None, :]  # [u, S]
+        keys = torch.arange(longest, device=self.device)
+        mask = (keys[None, None, :] <= position_ids[:, :, None]) & (
+            keys[None, None, :] < (prefix_lens + suffix_lens)[:, None, None]
+        )
+        self._new_lens = (prefix_lens + suffix_lens)[rows]
+        return position_ids, mask[:, None]
+
+    def row_kv(self, slot: int, length: int) -> torch.Tensor:
+        """A compact copy of the first `length` cached positions of `slot`:
+        `[layers, 2, kv_heads, length, head_dim]`."""
+        assert self.buf is not None
+        return self.buf[:, :, slot, :, :length].clone(memory_format=torch.contiguous_format)
+
     def prepare_decode(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Before a one-token decode forward of all rows: returns (position_ids [n, 1], additive
         attention mask [n, 1, 1, capacity] in the cache dtype: 0 up to each row's new token, -inf
@@ -167,6 +218,18 @@ class SlotKVCache(Cache):
             kbuf[start:end, :, :width] = keys if src is None else keys[src]
             vbuf[start:end, :, :width] = values if src is None else values[src]
             return keys, values  # new rows have no earlier tokens
+        if self._mode == "extend":
+            head_dim, src = self.dims[2], self._src
+            new_k = keys if src is None else keys[src]
+            new_v = values if src is None else values[src]
+            kbuf.view(-1, head_dim).index_copy_(0, self._flat_pos, new_k.reshape(-1, head_dim))
+            vbuf.view(-1, head_dim).index_copy_(0, self._flat_pos, new_v.reshape(-1, head_dim))
+            length = self._key_len
+            if self._attend_slots is None:
+                start, end = self.num_rows, self.num_rows + self._new
+                return kbuf[start:end, :, :length], vbuf[start:end, :, :length]
+            slots = self._attend_slots
+            return kbuf[slots, :, :length], vbuf[slots, :, :length]
         raise RuntimeError("SlotKVCache.write outside prepare_prefill/prepare_decode")
 
     def commit(self) -> None:
@@ -174,7 +237,7 @@ class SlotKVCache(Cache):
         if self._mode == "decode":
             self.lens[: self.num_rows] += 1
             self.max_len += 1
-        elif self._mode == "prefill":
+        elif self._mode in ("prefill", "extend"):
             self.lens = torch.cat([self.lens[: self.num_rows], self._new_lens])
             self.num_rows += self._new
             self.max_len = int(self.lens.max()) if self.num_rows else 0

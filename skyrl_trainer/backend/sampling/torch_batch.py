@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from skyrl_trainer.backend.sampling.kv_cache import SlotKVCache
+from skyrl_trainer.backend.sampling.prefix_cache import PrefixMatch, PrefixStore
 from skyrl_trainer.backend.sampling.row_sampling import SamplingSettings, sample_tokens
 from skyrl_trainer.backend.sampling.torch_lora import AdapterSet
 from skyrl_trainer.backend.sampling.torch_requests import Pending, Row
@@ -35,13 +36,22 @@ class EngineStats:
     requests_failed: int = 0
     prefill_forwards: int = 0
     decode_forwards: int = 0
-    prompt_tokens: int = 0
+    prompt_tokens: int = (
+        0  # prompt tokens of admitted requests (prefilled or from the prefix store)
+    )
+    prefix_hit_tokens: int = 0  # of those, tokens whose KV came from the prefix store
+    prefix_hit_requests: int = 0  # requests that started from a stored prefix
     generated_tokens: int = 0
     max_rows: int = 0  # most rows in one decode forward
 
     @property
     def forward_batches(self) -> int:
         return self.prefill_forwards + self.decode_forwards
+
+    @property
+    def prefilled_tokens(self) -> int:
+        """Prompt tokens that went through a prefill forward."""
+        return self.prompt_tokens - self.prefix_hit_tokens
 
 
 @dataclass
@@ -79,8 +89,10 @@ class BatchRunner:
         device: torch.device,
         max_model_len: int,
         stats: EngineStats,
+        prefix_store: PrefixStore | None = None,
     ):
         self.adapters = adapters
+        self.prefix_store = prefix_store
         self.dtype, self.device, self.max_model_len = dtype, device, max_model_len
         self.stats = stats
         config = adapters.model.config.get_text_config()
@@ -130,24 +142,44 @@ class BatchRunner:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
 
-    def prefill(self, group: RowGroup, chunk: list[Pending]) -> None:
+    def prefill(
+        self, group: RowGroup, chunk: list[Pending], matches: list[PrefixMatch] | None = None
+    ) -> None:
+        """Prefill the prompts of `chunk` and sample their rows' first tokens. With `matches`
+        (one per request, from the prefix store), each prompt's first `matches[i].length` tokens
+        take their KV from the store and only the rest is computed (no prompt scoring then)."""
         started = time.perf_counter()
-        lens = [p.prompt_len for p in chunk]
+        skip = [m.length for m in matches] if matches else [0] * len(chunk)
+        lens = [p.prompt_len - k for p, k in zip(chunk, skip)]  # tokens to compute
         width = max(lens)
         ids = torch.zeros((len(chunk), width), dtype=torch.long)
         for i, pending in enumerate(chunk):
-            ids[i, : lens[i]] = torch.tensor(pending.request.prompt_ids)
+            ids[i, : lens[i]] = torch.tensor(pending.request.prompt_ids[skip[i] :])
         ids = ids.to(self.device)
         src = [i for i, p in enumerate(chunk) for _ in range(p.num_rows)]
         src_t = None
         if src != list(range(len(chunk))):
             src_t = torch.tensor(src, dtype=torch.long, device=self.device)
         prompt_lens = torch.tensor(lens, device=self.device)
-        position_ids, mask = group.cache.prepare_prefill(prompt_lens, src_t)
+        if matches:
+            assert not any(p.wants_prompt_logprobs for p in chunk)
+            position_ids, mask = group.cache.prepare_extend(
+                [m.entry.kv for m in matches],
+                torch.tensor(skip, device=self.device),
+                prompt_lens,
+                src_t,
+            )
+        else:
+            position_ids, mask = group.cache.prepare_prefill(prompt_lens, src_t)
         hidden = self._forward(group, ids, position_ids, mask)
         self.stats.prefill_forwards += 1
-        self.stats.prompt_tokens += sum(lens)
+        self.stats.prompt_tokens += sum(lens) + sum(skip)
+        self.stats.prefix_hit_tokens += sum(skip)
+        self.stats.prefix_hit_requests += sum(1 for k in skip if k)
         new_rows = [Row(p, k) for p in chunk for k in range(p.num_rows)]
+        if matches:
+            for i, row in enumerate(new_rows):
+                row.prefix = matches[src[i]].entry
         first = len(group.rows)
         group.rows.extend(new_rows)
         group.settings = None
@@ -166,13 +198,32 @@ class BatchRunner:
             logits = self._logits(last)
             self._advance(group, logits if src_t is None else logits[src_t], first)
         logger.debug(
-            "prefill: %d requests, %d rows, %d prompt tokens (%d padded) in %.3f s",
+            "prefill: %d requests, %d rows, %d prompt tokens (%d padded, %d from stored KV) "
+            "in %.3f s",
             len(chunk),
             len(new_rows),
             sum(lens),
             len(chunk) * width,
+            sum(skip),
             time.perf_counter() - started,
         )
+
+    def _keep_prefixes(self, group: RowGroup, done: list[int]) -> None:
+        """Copy the KV of finished rows `done` (slots of `group`) into the prefix store: the
+        prompt and every generated token but the last (not computed yet)."""
+        store = self.prefix_store
+        lens = group.cache.lens[done].tolist()
+        for slot, length in zip(done, lens):
+            row = group.rows[slot]
+            if row.stop_reason is None or length < 1:
+                continue  # cancelled or failed: nothing worth keeping
+            tokens = tuple(row.pending.request.prompt_ids) + tuple(row.tokens[:-1])
+            assert len(tokens) == length, (len(tokens), length)
+            if length >= self.max_model_len - 1:
+                continue  # no longer prompt can extend it
+            if row.prefix is not None:
+                store.discard(row.prefix)  # superseded by this row's longer entry
+            store.put(group.adapter, tokens, group.cache.row_kv(slot, length))
 
     def _score_prompt(self, pending: Pending, hidden: torch.Tensor, targets: torch.Tensor) -> None:
         """log p(prompt[i] | prompt[:i]) (and the top-k) for i >= 1, from the prefill's states."""
@@ -219,9 +270,13 @@ class BatchRunner:
         ):
             if row.append(token, logprob) or row.pending.future.done():
                 done.append(i)
+        if done:
+            if self.prefix_store is not None:  # before the results: a next turn may follow
+                self._keep_prefixes(group, done)
+            for i in done:
+                row = group.rows[i]
                 if row.pending.record(row):
                     complete(row.pending, self.stats)
-        if done:
             order = group.cache.remove_rows(done)
             group.rows = [group.rows[j] for j in order]
             group.settings = None

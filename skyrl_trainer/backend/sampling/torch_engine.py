@@ -19,6 +19,12 @@ admits what came before them, stops admitting, lets the running rows finish, app
 goes on; so requests queued before see the old weights and requests queued after the new ones.
 LoRA adapters are merged into copies of the weights they adapt (`torch_lora`); rows of different
 adapters run in separate groups (own cache, own forward), each on its adapter's weights.
+
+Prefix reuse (`prefix_cache`): a finished row's KV (prompt + generated tokens) is kept in a bounded
+LRU store under (adapter, token ids); a request whose prompt starts with a stored sequence (a
+multi-turn rollout's next turn) starts its rows from that KV and prefills only the rest of its
+prompt. Requests asking for prompt log-probs always prefill their whole prompt. A weight update
+drops the whole store, replacing or removing an adapter drops that adapter's entries.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from skyrl_trainer.backend.sampling.engine import (
 )
 from skyrl_trainer.backend.sampling.engine_control import EngineControl
 from skyrl_trainer.backend.sampling.kv_cache import SLOT_ATTENTION
+from skyrl_trainer.backend.sampling.prefix_cache import PrefixStore
 from skyrl_trainer.backend.sampling.torch_batch import BatchRunner, EngineStats, RowGroup, fail
 from skyrl_trainer.backend.sampling.torch_lora import AdapterSet
 from skyrl_trainer.backend.sampling.torch_requests import Pending, plan_prefill
@@ -64,6 +71,7 @@ class TorchSamplingEngine:
         admission_window_s: float = 0.002,
         num_threads: int | None = None,
         max_merged_adapters: int = 2,
+        prefix_cache_tokens: int = 65536,
     ):
         """Load the model and tokenizer of `model_dir` and start the engine thread.
 
@@ -78,6 +86,9 @@ class TorchSamplingEngine:
           to arrive, so that a burst starts as one batch.
         - `num_threads`: torch threads of the engine thread (default: the caller's setting).
         - `max_merged_adapters`: LoRA adapters kept merged into weight copies (`torch_lora`).
+        - `prefix_cache_tokens`: most tokens of finished rows' KV kept for reuse by prompts that
+          extend them (`prefix_cache`; LRU; 0 disables). Each token costs
+          layers * 2 * kv_heads * head_dim * dtype bytes (SmolLM2-135M float32: 45 KiB).
         """
         if str(device) == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -101,12 +112,14 @@ class TorchSamplingEngine:
             context = min(context, window)  # masks here are full causal: stay inside the window
         self.max_model_len = min(max_model_len or context, context)
         self.stats = EngineStats()
+        self.prefix_store = PrefixStore(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
         self.runner = BatchRunner(
             self.adapters,
             dtype=self.dtype,
             device=self.device,
             max_model_len=self.max_model_len,
             stats=self.stats,
+            prefix_store=self.prefix_store,
         )
         self.vocab_size = self.runner.vocab_size
         self._groups: dict[str | None, RowGroup] = {}
@@ -162,23 +175,27 @@ class TorchSamplingEngine:
 
         def apply() -> None:
             self.adapters.forget_merged()  # merged copies are of the old base weights
+            self._forget_prefixes(None, everything=True)
             self.weights.apply(plan)
 
         self._control(apply, must_wait=lambda taken: True)
 
     def add_lora(self, name: str, adapter_dir: str) -> None:
         folder = self.adapters.check_folder(name, adapter_dir)
+
         # A new name changes nothing in flight; replacing an adapter waits for the rows using it.
-        self._control(
-            lambda: self.adapters.load(name, folder),
-            must_wait=lambda taken: self._adapter_in_use(name, taken),
-        )
+        def load() -> None:
+            self._forget_prefixes(name)
+            self.adapters.load(name, folder)
+
+        self._control(load, must_wait=lambda taken: self._adapter_in_use(name, taken))
 
     def remove_lora(self, name: str) -> None:
-        self._control(
-            lambda: self.adapters.remove(name),
-            must_wait=lambda taken: self._adapter_in_use(name, taken),
-        )
+        def remove() -> None:
+            self._forget_prefixes(name)
+            self.adapters.remove(name)
+
+        self._control(remove, must_wait=lambda taken: self._adapter_in_use(name, taken))
 
     def before_training(self) -> None:
         pass  # in-process: nothing to free for the trainer
@@ -225,6 +242,14 @@ class TorchSamplingEngine:
             raise
         finally:
             self._fail_all(RuntimeError("the sampling engine is shut down"))
+
+    def _forget_prefixes(self, adapter: str | None, everything: bool = False) -> None:
+        """Weights are about to change: drop the stored KV computed with them."""
+        if self.prefix_store is not None:
+            if everything:
+                self.prefix_store.clear()
+            else:
+                self.prefix_store.drop_adapter(adapter)
 
     def _adapter_in_use(self, name: str, taken: list) -> bool:
         return name in self._groups or any(
@@ -292,11 +317,35 @@ class TorchSamplingEngine:
             group = self._groups.get(adapter)
             if group is None:
                 group = self._groups[adapter] = self.runner.new_group(adapter)
-            for chunk in self._prefill_chunks(group_pendings):
+            fresh, reused, matches = self._match_prefixes(adapter, group_pendings)
+            for chunk in self._prefill_chunks(fresh, [p.prompt_len for p in fresh]):
                 self._guarded(group, lambda g, chunk=chunk: self.runner.prefill(g, chunk), chunk)
+            suffix_lens = [p.prompt_len - m.length for p, m in zip(reused, matches)]
+            for idx in plan_prefill(suffix_lens, self.max_batch_tokens):
+                chunk, chunk_matches = [reused[i] for i in idx], [matches[i] for i in idx]
+                self._guarded(
+                    group,
+                    lambda g, c=chunk, m=chunk_matches: self.runner.prefill(g, c, m),
+                    chunk,
+                )
 
-    def _prefill_chunks(self, pendings: list[Pending]) -> list[list[Pending]]:
-        lengths = [p.prompt_len for p in pendings]
+    def _match_prefixes(self, adapter: str | None, pendings: list[Pending]):
+        """Split `pendings` into those to prefill in full and those starting from stored KV
+        (with their matches)."""
+        store = self.prefix_store
+        fresh, reused, matches = [], [], []
+        for pending in pendings:
+            match = None
+            if store is not None and not pending.wants_prompt_logprobs and pending.num_rows:
+                match = store.lookup(adapter, pending.request.prompt_ids)
+            if match is None:
+                fresh.append(pending)
+            else:
+                reused.append(pending)
+                matches.append(match)
+        return fresh, reused, matches
+
+    def _prefill_chunks(self, pendings: list[Pending], lengths: list[int]) -> list[list[Pending]]:
         return [
             [pendings[i] for i in chunk] for chunk in plan_prefill(lengths, self.max_batch_tokens)
         ]

@@ -18,6 +18,7 @@ from skyrl_trainer.backend.sampling.engine import (
     GenerationRequest,
     GenerationResult,
 )
+from skyrl_trainer.backend.sampling.prefix_cache import PrefixEntry
 from skyrl_trainer.backend.sampling.row_sampling import StopStrings, row_rng
 
 
@@ -96,7 +97,7 @@ class Pending:
 class Row:
     """One sample of a request: its tokens so far, their log-probs and its random stream."""
 
-    __slots__ = ("pending", "index", "params", "rng", "tokens", "logprobs", "stop_reason")
+    __slots__ = ("pending", "index", "params", "rng", "tokens", "logprobs", "stop_reason", "prefix")
 
     def __init__(self, pending: Pending, index: int):
         self.pending = pending
@@ -106,6 +107,7 @@ class Row:
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.stop_reason: Literal["stop", "length"] | None = None
+        self.prefix: PrefixEntry | None = None  # the stored KV the row started from, if any
 
     def append(self, token: int, logprob: float) -> bool:
         """Add a sampled token; True when the row is finished (stop_reason set)."""
