@@ -19,7 +19,10 @@ get back the keys/values to attend over. The engine passes the 4-D masks built h
 `attention_mask` (the model uses a 4-D mask as it is) and runs the model with the `slot_attention`
 implementation (`SLOT_ATTENTION`). Prefill writes a forward
 batch of distinct prompts (right-padded) into the slots of all their sample rows (`src`), so
-`num_samples` rows of one prompt cost one prompt forward.
+`num_samples` rows of one prompt cost one prompt forward. A prefill can also continue stored KV
+(`prepare_extend`, for the engine's prefix store): the prefix is copied into the new rows' slots,
+the suffix's keys/values are written after it and the suffix attends over those slots; `row_kv`
+copies a row's KV out (a compact tensor, so a stored entry pins nothing here).
 """
 
 from __future__ import annotations
