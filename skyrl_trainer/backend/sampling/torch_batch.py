@@ -218,7 +218,9 @@ class BatchRunner:
             if row.stop_reason is None or length < 1:
                 continue  # cancelled or failed: nothing worth keeping
             tokens = tuple(row.pending.request.prompt_ids) + tuple(row.tokens[:-1])
-            assert len(tokens) == length, (len(tokens), length)
+            if len(tokens) != length:  # never expected: keep nothing rather than a wrong KV
+                logger.warning("row KV length %d != its %d tokens: not kept", length, len(tokens))
+                continue
             if length >= self.max_model_len - 1:
                 continue  # no longer prompt can extend it
             if row.prefix is not None:
