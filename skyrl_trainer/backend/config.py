@@ -86,10 +86,11 @@ class SamplingConfig:
     max_merged_lora: int = 2
     """PyTorch engine: adapters kept merged into a copy of the weights they adapt (each costs that
     much memory); a request for another adapter merges it anew (~0.5 s for SmolLM2 r32 on CPU)."""
-    prefix_cache_tokens: int = 65536
+    prefix_cache_tokens: int = 16384
     """PyTorch engine: most tokens of finished sequences' KV kept so that a later prompt extending
     one (a multi-turn rollout's next turn) prefills only its new tokens; LRU, 0 disables. Each
-    token costs layers * 2 * kv_heads * head_dim * dtype bytes (SmolLM2-135M float32: 45 KiB)."""
+    token costs layers * 2 * kv_heads * head_dim * dtype bytes (SmolLM2-135M float32: 45 KiB, so
+    the default holds at most ~720 MiB)."""
     max_lora_rank: int = 32
     """vLLM: the largest LoRA rank it serves (one of 8, 16, 32, 64, 128, 256, 320, 512)."""
     kv_cache_gib: float | None = None

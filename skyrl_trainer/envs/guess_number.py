@@ -46,10 +46,10 @@ def _check_range(low: Any, high: Any) -> int:
 
 
 def _question(low: int, high: int) -> str:
-    return (
-        f"I am thinking of a whole number between {low} and {high}. Guess it. "
-        "Reply with just one number. After each guess I will say higher or lower."
-    )
+    # The wording SmolLM2-135M-Instruct most often answers with an in-range number (42% of
+    # replies, with the system prompt "You reply with a single number."; 11% for a longer
+    # explanation of the rules). The "Higher." / "Lower." replies explain themselves.
+    return f"Pick a number from {low} to {high}."
 
 
 def generate_guess_number_rows(n: int, seed: int, low: int = 1, high: int = 16) -> list[dict]:

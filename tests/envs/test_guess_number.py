@@ -168,10 +168,10 @@ def test_rows_deterministic_by_seed_and_inside_range():
     assert all(set(r) == {"question", "answer"} for r in rows)
     assert all(1 <= int(r["answer"]) <= 16 for r in rows)
     question = rows[0]["question"]
-    assert "between 1 and 16" in question and len(question) < 200
+    assert "from 1 to 16" in question and len(question) < 200
     narrow = generate_guess_number_rows(50, seed=3, low=5, high=9)
     assert {int(r["answer"]) for r in narrow} <= set(range(5, 10))
-    assert "between 5 and 9" in narrow[0]["question"]
+    assert "from 5 to 9" in narrow[0]["question"]
     assert generate_guess_number_rows(0, seed=0) == []
 
 

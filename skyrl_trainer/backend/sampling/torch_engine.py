@@ -71,7 +71,7 @@ class TorchSamplingEngine:
         admission_window_s: float = 0.002,
         num_threads: int | None = None,
         max_merged_adapters: int = 2,
-        prefix_cache_tokens: int = 65536,
+        prefix_cache_tokens: int = 16384,
     ):
         """Load the model and tokenizer of `model_dir` and start the engine thread.
 
