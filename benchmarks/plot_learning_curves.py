@@ -42,12 +42,14 @@ def load_metrics(path: Path) -> list[dict]:
     return [by_step[step] for step in sorted(by_step)]
 
 
-def summarise(records: list[dict], last_k: int) -> dict:
-    train = [r for r in records if "reward/mean" in r]
-    rewards = [r["reward/mean"] for r in train]
+def summarise(records: list[dict], last_k: int, metric: str = "reward/mean") -> dict:
+    train = [r for r in records if metric in r]
+    rewards = [r[metric] for r in train]
     k = max(1, min(last_k, len(rewards))) if rewards else 0
     step_times = [r["time/step_s"] for r in train if "time/step_s" in r]
     summary = {
+        "metric": metric,
+        "by_step": {r["step"]: r[metric] for r in train},
         "train_steps": len(train),
         "last_step": records[-1]["step"],
         "eval_pass@1": {r["step"]: r["eval/pass@1"] for r in records if "eval/pass@1" in r},
@@ -55,9 +57,9 @@ def summarise(records: list[dict], last_k: int) -> dict:
     if rewards:
         summary.update(
             {
-                f"reward_mean_first_{k}": statistics.fmean(rewards[:k]),
-                f"reward_mean_last_{k}": statistics.fmean(rewards[-k:]),
-                "reward_mean_all": statistics.fmean(rewards),
+                f"mean_first_{k}": statistics.fmean(rewards[:k]),
+                f"mean_last_{k}": statistics.fmean(rewards[-k:]),
+                "mean_all": statistics.fmean(rewards),
             }
         )
     if step_times:
@@ -69,7 +71,13 @@ def summarise(records: list[dict], last_k: int) -> dict:
     return summary
 
 
-def plot(runs: list[tuple[str, list[dict]]], title: str, out: Path, smooth: int) -> None:
+def plot(
+    runs: list[tuple[str, list[dict]]],
+    title: str,
+    out: Path,
+    smooth: int,
+    metric: str = "reward/mean",
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -80,9 +88,9 @@ def plot(runs: list[tuple[str, list[dict]]], title: str, out: Path, smooth: int)
     axes = list(axes) if has_eval else [axes]
     for i, (label, records) in enumerate(runs):
         color = f"C{i % 10}"
-        train = [r for r in records if "reward/mean" in r]
+        train = [r for r in records if metric in r]
         steps = [r["step"] for r in train]
-        rewards = [r["reward/mean"] for r in train]
+        rewards = [r[metric] for r in train]
         smoothed = 1 < smooth <= len(rewards)
         axes[0].plot(
             steps,
@@ -105,7 +113,7 @@ def plot(runs: list[tuple[str, list[dict]]], title: str, out: Path, smooth: int)
             if points:
                 xs, ys = zip(*points)
                 axes[1].plot(xs, ys, color=color, marker="o", label=label)
-    axes[0].set_ylabel("mean train reward")
+    axes[0].set_ylabel("mean train reward" if metric == "reward/mean" else f"train {metric}")
     if has_eval:
         axes[1].set_ylabel("eval pass@1 (greedy)")
     for ax in axes:
@@ -125,8 +133,16 @@ def main() -> None:
     p.add_argument("--name", default=None, help="output name (default: the first run's dir name)")
     p.add_argument("--title", default=None)
     p.add_argument("--last-k", type=int, default=4, help="steps averaged for first/last reward")
+    p.add_argument(
+        "--metric", default="reward/mean", help="the train metric to plot (env/won, ...)"
+    )
     p.add_argument("--smooth", type=int, default=1, help="also draw a moving average over N steps")
     p.add_argument("--out-dir", type=Path, default=RESULTS)
+    p.add_argument(
+        "--ran-here",
+        action="store_true",
+        help="record this machine (CPU model, capability, dtype policy) as where the runs ran",
+    )
     a = p.parse_args()
     if a.labels and len(a.labels) != len(a.paths):
         p.error(f"--labels: {len(a.labels)} labels for {len(a.paths)} paths")
@@ -137,19 +153,23 @@ def main() -> None:
 
     a.out_dir.mkdir(parents=True, exist_ok=True)
     png = a.out_dir / f"learning_curve_{name}.png"
-    plot(runs, a.title or f"{name}: train reward and eval pass@1", png, a.smooth)
+    plot(runs, a.title or f"{name}: train {a.metric} and eval pass@1", png, a.smooth, a.metric)
     summary = {
         "name": name,
         "date": datetime.now().isoformat(timespec="seconds"),
         "runs": [
-            {"label": label, "path": str(path), **summarise(records, a.last_k)}
+            {"label": label, "path": str(path), **summarise(records, a.last_k, a.metric)}
             for (label, records), path in zip(runs, a.paths)
         ],
     }
+    if a.ran_here:
+        from _machine import machine_info, resolve_dtype
+
+        summary["machine"] = machine_info(trainer=resolve_dtype("auto"))
     out = png.with_suffix(".json")
     out.write_text(json.dumps(summary, indent=1))
     for run in summary["runs"]:
-        rewards = {k: round(v, 3) for k, v in run.items() if k.startswith("reward_mean")}
+        rewards = {k: round(v, 3) for k, v in run.items() if k.startswith("mean_")}
         print(
             f"{run['label']}: {run['train_steps']} steps, {rewards}, eval pass@1 {run['eval_pass@1']}"
         )

@@ -1,5 +1,5 @@
 """The trainer talks to models only through the Tinker client interface: nothing under
-skyrl_trainer/trainer, rewards or data imports backend, server, engine or model code."""
+skyrl_trainer/trainer, envs, rewards or data imports backend, server, engine or model code."""
 
 import ast
 import subprocess
@@ -9,7 +9,7 @@ from pathlib import Path
 import skyrl_trainer
 
 PACKAGE = Path(skyrl_trainer.__file__).parent
-TRAINER_SIDE = ("trainer", "rewards", "data")
+TRAINER_SIDE = ("trainer", "envs", "rewards", "data")
 FORBIDDEN = ("skyrl_trainer.backend", "skyrl_trainer.server", "vllm", "peft", "transformers")
 
 
