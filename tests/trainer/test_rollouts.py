@@ -8,6 +8,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from tinker import types
 
 from skyrl_trainer.backend.model_loading import load_tokenizer
 from skyrl_trainer.data.prompts import render_prompt
@@ -223,3 +224,40 @@ def test_unknown_or_broken_env_names_are_refused_with_the_field():
         get_env_class("nope")
     with pytest.raises(ValueError, match="env.name='no_such_module:X'"):
         get_env_class("no_such_module:X")
+
+
+def test_single_turn_env_reproduces_sampling_then_scoring(backend, tiny_model_dir):
+    """The single-turn path samples and scores exactly as the loop did before environments: one
+    `sample(prompt, group_size, seed)` per problem, each response scored by the reward fn."""
+    from skyrl_trainer.data import render_prompt
+    from skyrl_trainer.rewards import get_reward_fn
+
+    _, _, sampler = backend
+    tokenizer = load_tokenizer(tiny_model_dir)
+    problems = [
+        Problem([{"role": "user", "content": f"What is {a} + 1?"}], {"question": "", "answer": "7"})
+        for a in (3, 6)
+    ]
+    engine = EnvRollouts(
+        EnvSpec(config={"reward_fn": "tests.trainer.test_rollouts:count_sevens"}),
+        tokenizer,
+        GuardedEnvCalls(),
+    )
+    groups = engine.run(sampler, problems, 3, params(8), seeds=[21, 22])
+    reward = get_reward_fn("tests.trainer.test_rollouts:count_sevens")
+    for problem, group, seed in zip(problems, groups, (21, 22), strict=True):
+        prompt = render_prompt(tokenizer, problem.prompt_messages)
+        direct = sampler.sample(
+            types.ModelInput.from_ints(prompt), 3, params(8).model_copy(update={"seed": seed})
+        ).result()
+        assert group.prompt_tokens == prompt
+        for rollout, seq in zip(group.rollouts, direct.sequences, strict=True):
+            assert rollout.tokens == list(seq.tokens)
+            assert rollout.sampler_logprobs == pytest.approx(list(seq.logprobs), abs=1e-5)
+            text = tokenizer.decode(seq.tokens, skip_special_tokens=True)
+            assert rollout.reward == reward(text, problem.sample)
+            assert rollout.action_mask is None and len(rollout.turns) == 1
+
+
+def count_sevens(response: str, sample: dict) -> float:
+    return float(response.count("7") + len(response) % 3)
