@@ -29,6 +29,19 @@ def one_row_server(tiny_model_dir, tmp_path_factory):
     server.stop()
 
 
+def one_row_local_service(folder) -> ServiceClient:
+    """The in-process backend with one row per forward, as the server runs (`one_row_server`)."""
+    return ServiceClient(
+        BackendConfig(
+            storage_dir=str(folder / "storage"),
+            training=TrainingConfig(dtype="float32", device="cpu"),
+            sampling=SamplingConfig(
+                engine="torch", dtype="float32", device="cpu", max_batch_size=1
+            ),
+        )
+    )
+
+
 def test_remote_trainer_metrics_equal_local(
     one_row_server, tiny_model_dir, reward_module, tmp_path, monkeypatch
 ):
@@ -42,16 +55,7 @@ def test_remote_trainer_metrics_equal_local(
     remote_cfg = make_config(tmp_path / "remote", tiny_model_dir, reward_module, **overrides)
     local_cfg = make_config(tmp_path / "local", tiny_model_dir, reward_module, **overrides)
     remote = RLTrainer(remote_cfg, remote_service).run()
-    local_service = ServiceClient(
-        BackendConfig(
-            storage_dir=str(tmp_path / "local" / "storage"),
-            training=TrainingConfig(dtype="float32", device="cpu"),
-            sampling=SamplingConfig(
-                engine="torch", dtype="float32", device="cpu", max_batch_size=1
-            ),
-        )
-    )
-    local = RLTrainer(local_cfg, local_service).run()
+    local = RLTrainer(local_cfg, one_row_local_service(tmp_path / "local")).run()
 
     assert len(remote) == len(local) == 3
     for step, (r, q) in enumerate(zip(remote, local, strict=True), start=1):
@@ -88,16 +92,7 @@ def test_remote_multi_turn_rollouts_equal_local(
     remote_cfg = make_config(tmp_path / "remote", tiny_model_dir, "arithmetic", **overrides)
     local_cfg = make_config(tmp_path / "local", tiny_model_dir, "arithmetic", **overrides)
     remote = RLTrainer(remote_cfg, remote_service).run()
-    local_service = ServiceClient(
-        BackendConfig(
-            storage_dir=str(tmp_path / "local" / "storage"),
-            training=TrainingConfig(dtype="float32", device="cpu"),
-            sampling=SamplingConfig(
-                engine="torch", dtype="float32", device="cpu", max_batch_size=1
-            ),
-        )
-    )
-    local = RLTrainer(local_cfg, local_service).run()
+    local = RLTrainer(local_cfg, one_row_local_service(tmp_path / "local")).run()
     for step, (r, q) in enumerate(zip(remote, local, strict=True), start=1):
         assert r["rollout/turns_mean"] == 3
         assert comparable(r).keys() == comparable(q).keys()
