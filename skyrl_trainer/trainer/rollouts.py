@@ -70,6 +70,17 @@ class EnvSpec:
     reward_discount: float = 1.0  # return = sum_t discount^t * reward_t
 
 
+def env_extras(sample: dict, max_turns: int) -> dict:
+    """What an environment is constructed with besides its config: the row, skyrl-gym's
+    `reward_spec` / `extra_info`, and the turn limit."""
+    return {
+        "sample": sample,
+        "reward_spec": {"method": "rule", "ground_truth": sample.get("answer")},
+        "extra_info": sample.get("extra_info", {}),
+        "max_turns": max_turns,
+    }
+
+
 class EnvRollouts:
     """Runs groups of trajectories of `spec`'s environment on a sampler."""
 
@@ -131,13 +142,7 @@ class EnvRollouts:
     def _start_group(self, problem, group_size: int):
         """The group's environments (initialised) and its prompt tokens."""
         spec = self.spec
-        sample = problem.sample
-        extras = {
-            "sample": sample,
-            "reward_spec": {"method": "rule", "ground_truth": sample.get("answer")},
-            "extra_info": sample.get("extra_info", {}),
-            "max_turns": spec.max_turns,
-        }
+        extras = env_extras(problem.sample, spec.max_turns)
         config = dict(spec.config)
         envs, messages = [], None
         for _ in range(group_size):

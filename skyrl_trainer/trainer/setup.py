@@ -11,11 +11,12 @@ from typing import Any
 from skyrl_trainer.connect import training_tokenizer
 from skyrl_trainer.data import PromptStream, TaskConfig, load_rows
 from skyrl_trainer.data.tasks import GENERATED_ROWS, build_problems
+from skyrl_trainer.envs import make_env
 from skyrl_trainer.envs.guarded import GuardedEnvCalls
 from skyrl_trainer.trainer.checkpointing import LoopState, latest_loop_state
 from skyrl_trainer.trainer.config import ConfigError, TrainerConfig, validate_config
 from skyrl_trainer.trainer.progress import PhaseTimer
-from skyrl_trainer.trainer.rollouts import EnvRollouts, EnvSpec
+from skyrl_trainer.trainer.rollouts import EnvRollouts, EnvSpec, env_extras
 
 
 @dataclass
@@ -61,6 +62,12 @@ def build_run(cfg: TrainerConfig, service) -> Run:
     validate_config(cfg)
     output_dir = Path(cfg.output_dir)
     problems, eval_problems = load_problems(cfg)
+    env = cfg.env
+    env_config = dict(env.config)
+    if env.name == "single_turn":
+        env_config.setdefault("reward_fn", cfg.reward.fn)
+    spec = EnvSpec(env.name, env_config, env.max_turns, env.max_context_tokens, env.reward_discount)
+    check_env_builds(spec, problems[0])  # before any model loads
     resume = latest_loop_state(output_dir) if cfg.checkpoint.resume == "auto" else None
     training = training_client(cfg, service, resume)
     tokenizer = training_tokenizer(training, cfg.model.base_model)
@@ -70,11 +77,6 @@ def build_run(cfg: TrainerConfig, service) -> Run:
     reference = None
     if cfg.algorithm.kl_coef > 0:
         reference = service.create_sampling_client(base_model=cfg.model.base_model).result()
-    env = cfg.env
-    env_config = dict(env.config)
-    if env.name == "single_turn":
-        env_config.setdefault("reward_fn", cfg.reward.fn)
-    spec = EnvSpec(env.name, env_config, env.max_turns, env.max_context_tokens, env.reward_discount)
     calls = GuardedEnvCalls(env.max_concurrency, env.step_timeout_s or cfg.reward.timeout_s)
     rollouts = EnvRollouts(
         spec, tokenizer, calls, cfg.data.system_prompt, cfg.reward.correct_threshold
@@ -97,6 +99,20 @@ def build_run(cfg: TrainerConfig, service) -> Run:
         progress=PhaseTimer(cfg.logging.progress_every_s),
         output_dir=output_dir,
     )
+
+
+def check_env_builds(spec: EnvSpec, problem) -> None:
+    """Construct and init one environment before anything trains, so that a bad `env.config`
+    stops the run with its message instead of failing every trajectory."""
+    try:
+        env = make_env(spec.name, dict(spec.config), env_extras(problem.sample, spec.max_turns))
+        env.init(list(problem.prompt_messages))
+        env.close()
+    except Exception as exc:
+        raise ConfigError(
+            f"env: {spec.name!r} with env.config={spec.config!r} cannot start on the first "
+            f"problem: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def load_problems(cfg: TrainerConfig):

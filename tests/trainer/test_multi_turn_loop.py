@@ -98,3 +98,16 @@ def test_env_faults_count_and_do_not_stop_the_run(tmp_path, tiny_model_dir, scri
         assert metrics["reward/errors"] == metrics["groups/sampled"] * 4
         assert metrics["reward/mean"] == 0.0
         assert metrics["rollout/turns_mean"] == 2
+
+
+def test_a_bad_env_config_stops_the_run_before_it_starts(tmp_path, tiny_model_dir):
+    from skyrl_trainer.trainer.config import ConfigError
+
+    cfg = make_config(
+        tmp_path,
+        tiny_model_dir,
+        "arithmetic",
+        **{"env.name": "guess_number", "env.config": {"hihg": 20}, "data.format": "guess_number"},
+    )
+    with pytest.raises(ConfigError, match="env.config=.*hihg"):
+        RLTrainer(cfg, service=None)  # refused before the service is touched
