@@ -51,7 +51,16 @@ def test_base_config_has_every_field():
     validate_config(cfg)
 
 
-@pytest.mark.parametrize("recipe", ["gsm8k_grpo", "arithmetic_grpo"])
+RECIPES = sorted(p.stem for p in (Path(__file__).parents[2] / "configs" / "recipe").glob("*.yaml"))
+
+
+def test_every_recipe_is_tested():
+    assert {"gsm8k_grpo", "arithmetic_grpo", "guess_number_grpo", "python_tool_grpo"} <= set(
+        RECIPES
+    )
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_recipes_compose_and_validate(recipe):
     cfg = build_config(composed(f"+recipe={recipe}"), TrainerConfig)
     validate_config(cfg)
