@@ -36,9 +36,8 @@ class EngineStats:
     requests_failed: int = 0
     prefill_forwards: int = 0
     decode_forwards: int = 0
-    prompt_tokens: int = (
-        0  # prompt tokens of admitted requests (prefilled or from the prefix store)
-    )
+    # Prompt tokens of admitted requests, prefilled or taken from the prefix store.
+    prompt_tokens: int = 0
     prefix_hit_tokens: int = 0  # of those, tokens whose KV came from the prefix store
     prefix_hit_requests: int = 0  # requests that started from a stored prefix
     generated_tokens: int = 0
