@@ -21,6 +21,10 @@ class Batch:
     sampled: list[Group] = field(default_factory=list)  # every group sampled (metrics, logs)
     zero_variance: int = 0
     seconds: float = 0.0
+    # Asynchronous pipelines only:
+    dropped: list[Group] = field(default_factory=list)  # too old to train on (counted, logged)
+    wait_s: float = 0.0  # how long the learner waited for this batch
+    stream_state: dict | None = None  # the prompt stream's position after this batch's prompts
 
     @property
     def rollouts(self):

@@ -119,6 +119,16 @@ class AlgorithmSettings:
     max_refill_rounds: int = 2
     overlong_filter: bool = False
     """Responses cut by max_tokens get zero advantage."""
+    max_steps_off_policy: int = 0
+    """Asynchronous RL: sampling goes on while the learner trains, and the learner at step t trains
+    on trajectories sampled with weights of step t - k or newer (k = this; older ones are dropped
+    and counted). The loss ratio is always taken against the sampler's log-probs. 0: the
+    synchronous loop (sample with the current weights, then train)."""
+    async_mode: str = "deterministic"
+    """With max_steps_off_policy > 0. deterministic: batch t is sampled with the weights of step
+    t - k (a fixed schedule: seeded runs reproduce, resume is exact). streaming: groups enter
+    training in the order they finish, from whatever finished first within the bound (for
+    trajectories of widely varying length)."""
 
 
 @dataclass
@@ -250,6 +260,7 @@ def validate_config(cfg: TrainerConfig) -> None:
         )
     if a.tis_cap is not None:
         _at_least("algorithm.tis_cap", a.tis_cap, 1.0)
+    _validate_async(cfg)
     _at_least("sampling.max_tokens", cfg.sampling.max_tokens, 1)
     _at_least("sampling.temperature", cfg.sampling.temperature, 0.0)
     _at_least("eval.every", cfg.eval.every, 0)
@@ -259,6 +270,31 @@ def validate_config(cfg: TrainerConfig) -> None:
     _choice("checkpoint.resume", cfg.checkpoint.resume, ("auto", "never"))
     _at_least("reward.timeout_s", cfg.reward.timeout_s, 0.001)
     _validate_env(cfg.env)
+
+
+ASYNC_MODES = ("deterministic", "streaming")
+
+
+def _validate_async(cfg: TrainerConfig) -> None:
+    a = cfg.algorithm
+    _at_least("algorithm.max_steps_off_policy", a.max_steps_off_policy, 0)
+    _choice("algorithm.async_mode", a.async_mode, ASYNC_MODES)
+    if a.max_steps_off_policy == 0:
+        return
+    if cfg.model.lora_rank == 0:
+        raise ConfigError(
+            "algorithm.max_steps_off_policy: asynchronous RL needs LoRA (model.lora_rank > 0); "
+            "full fine-tuning's sampler weights are replaced in place, so older versions cannot "
+            "keep sampling: set max_steps_off_policy=0 or a LoRA rank"
+        )
+    if cfg.backend.kind == "local":
+        live = (cfg.backend.local.get("sampling") or {}).get("max_lora_snapshots", 8)
+        if a.max_steps_off_policy + 2 > live:
+            raise ConfigError(
+                f"algorithm.max_steps_off_policy: {a.max_steps_off_policy} needs "
+                f"{a.max_steps_off_policy + 2} sampler snapshots live, but "
+                f"backend.local.sampling.max_lora_snapshots is {live}: raise it or lower k"
+            )
 
 
 def _validate_env(env: EnvSettings) -> None:

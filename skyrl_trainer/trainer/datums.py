@@ -31,6 +31,7 @@ class Rollout:
     turns: list = field(default_factory=list)  # rollouts.Turn records, for logs and metrics
     end_reason: str = "done"  # done | max_turns | context | env_error
     env_metrics: dict = field(default_factory=dict)  # the environment's get_metrics()
+    sampler_version: int | None = None  # optimizer steps behind the sampling weights (async)
 
     def mask(self) -> np.ndarray:
         """1.0 on the tokens the policy sampled, 0.0 on observation tokens."""

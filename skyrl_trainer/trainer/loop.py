@@ -1,8 +1,9 @@
 """The RL loop (GRPO / PPO and relatives), speaking only the Tinker client interface.
 
-One step, as in ARCHITECTURE.md: roll out the batch's environments with the current sampler
-(`collect`), compute advantages and train on them (`train_step`), which returns the sampler of
-the new weights; evaluate with that same sampler, checkpoint, log.
+One step, as in ARCHITECTURE.md: take the batch (rolled out with the current sampler, or, in
+asynchronous runs, by producers sampling ahead with weights at most k steps old: `pipeline`),
+compute advantages and train on it (`train_step`), which returns the sampler of the new weights;
+publish it to the batch source, evaluate with it, checkpoint, log.
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ import time
 from dataclasses import asdict
 
 from skyrl_trainer.trainer.checkpointing import LoopState, save_loop_state
-from skyrl_trainer.trainer.collect import collect_batch, rollout_metrics
+from skyrl_trainer.trainer.collect import rollout_metrics
 from skyrl_trainer.trainer.config import TrainerConfig
 from skyrl_trainer.trainer.evaluation import evaluate
 from skyrl_trainer.trainer.metrics_log import MetricsLogger
+from skyrl_trainer.trainer.pipeline import ScheduledBatches, SynchronousBatches
 from skyrl_trainer.trainer.setup import build_run, load_plugins
+from skyrl_trainer.trainer.streaming import StreamingBatches
 from skyrl_trainer.trainer.train_step import learning_rate, rl_step
 from skyrl_trainer.trainer.trajectory_log import append_trajectories, print_trajectories
 
@@ -30,6 +33,7 @@ class RLTrainer:
         self.cfg = cfg
         self.start_step = self.run_state.start_step
         self._sampler = None
+        self._source = None
 
     @property
     def training(self):
@@ -45,15 +49,35 @@ class RLTrainer:
             self._sampler = self.training.save_weights_and_get_sampling_client().result()
         return self._sampler
 
+    @property
+    def source(self):
+        """Where batches come from (`algorithm.max_steps_off_policy`, `async_mode`); made on
+        first use, with the current weights published to it."""
+        if self._source is None:
+            run, a = self.run_state, self.cfg.algorithm
+            if a.max_steps_off_policy == 0:
+                self._source = SynchronousBatches(run)
+            else:
+                kind = ScheduledBatches if a.async_mode == "deterministic" else StreamingBatches
+                self._source = kind(
+                    run, a.max_steps_off_policy, self.start_step, run.pending_pipeline
+                )
+            self._source.publish(self.start_step, self.sampler())
+        return self._source
+
     def step(self, step: int) -> dict[str, float]:
         """Run (0-based) step `step`; returns its metrics."""
         run, start = self.run_state, time.monotonic()
-        batch = collect_batch(run, self.sampler(), step)
+        batch = self.source.next_batch(step)
+        if step == self.cfg.steps - 1 and isinstance(self.source, StreamingBatches):
+            self.source.stop_admitting()
         metrics = rollout_metrics(batch)
+        metrics.update(self.source.metrics(batch, step))
         if self.cfg.logging.save_trajectories:
-            append_trajectories(run.output_dir, step + 1, batch.sampled)
+            append_trajectories(run.output_dir, step + 1, batch.sampled, batch.dropped)
         print_trajectories(batch.sampled, self.cfg.logging.print_samples)
         self._sampler, train_metrics = rl_step(run, batch, step, self._sampler)
+        self.source.publish(step + 1, self._sampler)
         metrics.update(train_metrics)
         if self._eval_due(step + 1):
             t0 = time.monotonic()
@@ -90,10 +114,11 @@ class RLTrainer:
         futures = [run.training.save_state(name)]
         if self.cfg.checkpoint.save_sampler_weights:
             futures.append(run.training.save_weights_for_sampler(name))
+        stream, pending = self.source.checkpoint_state(steps_done)
         paths = [r.path for r in run.progress.results(futures, f"checkpoint {name}", "saves")]
         training_path, sampler_path = paths[0], (paths[1] if len(paths) > 1 else None)
-        state = LoopState(steps_done, run.stream.state_dict(), training_path, sampler_path)
-        save_loop_state(run.output_dir, state)
+        state = LoopState(steps_done, stream, training_path, sampler_path)
+        save_loop_state(run.output_dir, state, pending)
         return state
 
     def run(self, stop_after: int | None = None) -> list[dict[str, float]]:
@@ -126,5 +151,12 @@ class RLTrainer:
                 logger.log(steps_done, metrics)
                 history.append(metrics)
         finally:
+            self.close()
             logger.close()
         return history
+
+    def close(self) -> None:
+        """Stop the batch source's producers (bounded time; nothing in flight is trained)."""
+        if self._source is not None:
+            self._source.close()
+            self._source = None

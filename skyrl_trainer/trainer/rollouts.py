@@ -25,6 +25,12 @@ from skyrl_trainer.envs.guarded import GuardedEnvCalls
 from skyrl_trainer.trainer.datums import Rollout
 from skyrl_trainer.trainer.progress import PhaseTimer
 
+_POLL_S = 0.25
+
+
+class RolloutsStopped(Exception):
+    """The rollouts were told to stop (`EnvRollouts.stop`) while waiting for the sampler."""
+
 
 def sample_seed(*parts: Any) -> int:
     """A deterministic 31-bit seed for (run seed, step, round, prompt index, ...)."""
@@ -53,6 +59,12 @@ class Group:
     problem: Any  # skyrl_trainer.data.Problem
     prompt_tokens: list[int]
     rollouts: list[Rollout]
+    index: int | None = None  # streaming mode: the group's place in the order groups started
+
+    @property
+    def version(self) -> int | None:
+        """The weights version that sampled the group (None: the synchronous loop's current)."""
+        return self.rollouts[0].sampler_version if self.rollouts else None
 
     @property
     def rewards(self) -> list[float]:
@@ -98,6 +110,19 @@ class EnvRollouts:
         self.system_prompt = system_prompt
         self.correct_threshold = correct_threshold
         self.stop_token_ids = {t for t in (tokenizer.eos_token_id, tokenizer.pad_token_id) if t}
+        # Set by whoever shuts the run down: every trajectory waiting for the sampler gives up
+        # within `_POLL_S` with RolloutsStopped, so no thread outlives the run by more than that
+        # (an environment call in progress ends within its own time-out).
+        self.stop = threading.Event()
+
+    def _result(self, future):
+        while True:
+            if self.stop.is_set():
+                raise RolloutsStopped("rollouts stopped")
+            try:
+                return future.result(timeout=_POLL_S)
+            except TimeoutError:
+                continue
 
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -169,8 +194,16 @@ class EnvRollouts:
         )
 
     def _trajectory(self, sampler, params, first, prompt, env, error, j, seed) -> Rollout:
+        try:
+            return self._play(sampler, params, first, prompt, env, error, j, seed)
+        except RolloutsStopped:
+            if env is not None:
+                self.calls.call(env.close)
+            raise
+
+    def _play(self, sampler, params, first, prompt, env, error, j, seed) -> Rollout:
         spec = self.spec
-        response = first.get().sequences[j]
+        response = first.get(self._result).sequences[j]
         tokens: list[int] = []
         logprobs: list[float] = []
         mask: list[float] = []
@@ -230,7 +263,7 @@ class EnvRollouts:
                 1,
                 self._turn_params(params, turn_seed, context),
             )
-            response = future.result().sequences[0]
+            response = self._result(future).sequences[0]
         env_metrics = {}
         if env is not None:
             metrics = self.calls.call(env.get_metrics).value
@@ -259,8 +292,8 @@ class _Shared:
     def __init__(self, future):
         self._future, self._lock, self._value = future, threading.Lock(), None
 
-    def get(self):
+    def get(self, wait):
         with self._lock:
             if self._value is None:
-                self._value = self._future.result()
+                self._value = wait(self._future)
             return self._value

@@ -13,7 +13,7 @@ from skyrl_trainer.data import PromptStream, TaskConfig, load_rows
 from skyrl_trainer.data.tasks import GENERATED_ROWS, build_problems
 from skyrl_trainer.envs import make_env
 from skyrl_trainer.envs.guarded import GuardedEnvCalls
-from skyrl_trainer.trainer.checkpointing import LoopState, latest_loop_state
+from skyrl_trainer.trainer.checkpointing import LoopState, latest_loop_state, load_pipeline
 from skyrl_trainer.trainer.config import ConfigError, TrainerConfig, validate_config
 from skyrl_trainer.trainer.progress import PhaseTimer
 from skyrl_trainer.trainer.rollouts import EnvRollouts, EnvSpec, env_extras
@@ -34,6 +34,7 @@ class Run:
     eval_problems: list
     progress: PhaseTimer
     output_dir: Path
+    pending_pipeline: dict | None = None  # resumed async run: what was sampled, not trained
 
 
 def load_plugins(modules: list[str]) -> None:
@@ -72,8 +73,10 @@ def build_run(cfg: TrainerConfig, service) -> Run:
     training = training_client(cfg, service, resume)
     tokenizer = training_tokenizer(training, cfg.model.base_model)
     stream = PromptStream(problems, cfg.algorithm.batch_size, seed=cfg.seed)
+    pending = None
     if resume is not None:
         stream.load_state_dict(resume.stream)
+        pending = resumable_pipeline(cfg, load_pipeline(output_dir, resume))
     reference = None
     if cfg.algorithm.kl_coef > 0:
         reference = service.create_sampling_client(base_model=cfg.model.base_model).result()
@@ -98,7 +101,24 @@ def build_run(cfg: TrainerConfig, service) -> Run:
         eval_problems=eval_problems,
         progress=PhaseTimer(cfg.logging.progress_every_s),
         output_dir=output_dir,
+        pending_pipeline=pending,
     )
+
+
+def resumable_pipeline(cfg: TrainerConfig, pending: dict | None) -> dict | None:
+    """The checkpoint's pending payload, refused when this run's async settings cannot continue
+    it (its sampled-but-untrained groups would be lost or trained on the wrong schedule)."""
+    a = cfg.algorithm
+    saved = (pending or {}).get("mode"), (pending or {}).get("k")
+    wanted = (a.async_mode, a.max_steps_off_policy) if a.max_steps_off_policy else (None, None)
+    if saved != wanted:
+        raise ConfigError(
+            f"algorithm.async_mode / max_steps_off_policy: the checkpoint in {cfg.output_dir} "
+            f"was written with async_mode={saved[0]}, max_steps_off_policy={saved[1] or 0}; "
+            f"resume with those settings, or start afresh (checkpoint.resume=never or a new "
+            f"output_dir)"
+        )
+    return pending
 
 
 def check_env_builds(spec: EnvSpec, problem) -> None:

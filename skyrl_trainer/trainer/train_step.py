@@ -175,12 +175,13 @@ def train_on(run, rollouts, advantages, masks, step: int, metrics: dict) -> bool
             submitted.append((live, datums, fb, opt))
     metrics["train/learning_rate"] = adam.learning_rate
     metrics["train/datums_without_gradient"] = skipped
-    train_metrics(run, rollouts, submitted, metrics)
+    train_metrics(run, rollouts, submitted, metrics, step)
     return bool(submitted)
 
 
-def train_metrics(run, rollouts, submitted, metrics: dict) -> None:
-    """Loss, grad norm, clip fraction and the sampler-learner log-prob gap (action tokens)."""
+def train_metrics(run, rollouts, submitted, metrics: dict, step: int) -> None:
+    """Loss, grad norm, clip fraction and the sampler-learner log-prob gap (action tokens; in
+    asynchronous runs also per staleness, the learner being `staleness` steps newer)."""
     a = run.cfg.algorithm
     # Wait for the whole step's updates with a status line (each optim_step follows its
     # forward_backward), so the loop below finds every result ready.
@@ -188,7 +189,7 @@ def train_metrics(run, rollouts, submitted, metrics: dict) -> None:
     clipped_tokens = POLICY_LOSSES[a.loss_fn].clipped
     bounds = clip_bounds(a.loss_fn, a.loss_fn_config) if clipped_tokens else None
     clipped = total = 0
-    grad_norms, losses, gaps = [], [], []
+    grad_norms, losses, gaps, gaps_by_age = [], [], [], {}
     for n, (live, datums, fb, opt) in enumerate(submitted):
         out, opt_out = fb.result(), opt.result()
         losses.append(out.metrics.get("loss:sum", float("nan")))
@@ -205,9 +206,13 @@ def train_metrics(run, rollouts, submitted, metrics: dict) -> None:
                 clipped += int(clipped_tokens(lp, ref, adv, *bounds)[trained].sum())
                 total += int(trained.sum())
             if n == 0:
-                # The first mini-batch ran on the weights that sampled: sampler vs learner.
+                # The first mini-batch ran on the weights of this step (those that sampled,
+                # unless the trajectory is stale): the sampler vs the learner.
                 is_action = rollout.mask() > 0
                 gaps.append(np.abs(lp - np.asarray(rollout.sampler_logprobs))[is_action])
+                if rollout.sampler_version is not None:
+                    age = step - rollout.sampler_version
+                    gaps_by_age.setdefault(age, []).append(gaps[-1])
     metrics["train/loss_sum"] = float(np.nansum(losses))
     if clipped_tokens is not None:
         # PPO / GSPO: tokens whose clipped term was the active one (zero gradient); CISPO:
@@ -219,3 +224,7 @@ def train_metrics(run, rollouts, submitted, metrics: dict) -> None:
         flat = np.concatenate(gaps)
         metrics["sampler_learner_logprob_gap/mean"] = float(flat.mean())
         metrics["sampler_learner_logprob_gap/max"] = float(flat.max())
+    for age, parts in sorted(gaps_by_age.items()):
+        metrics[f"sampler_learner_logprob_gap/staleness_{age}"] = float(
+            np.concatenate(parts).mean()
+        )

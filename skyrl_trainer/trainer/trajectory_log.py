@@ -9,9 +9,11 @@ from pathlib import Path
 from skyrl_trainer.trainer.rollouts import Group
 
 
-def trajectory_records(step: int, groups: list[Group]) -> list[dict]:
+def trajectory_records(step: int, groups: list[Group], dropped: bool = False) -> list[dict]:
     """One JSON-ready record per trajectory: turns (action text, observation messages, reward,
-    stop reason, token counts), return, end reason, error, environment metrics."""
+    stop reason, token counts), return, end reason, error, environment metrics; in asynchronous
+    runs also the weights version that sampled it, the group's start index (streaming), and
+    whether it was dropped as too old."""
     records = []
     for g, group in enumerate(groups):
         for i, rollout in enumerate(group.rollouts):
@@ -20,6 +22,9 @@ def trajectory_records(step: int, groups: list[Group]) -> list[dict]:
                     "step": step,
                     "group": g,
                     "index": i,
+                    "group_id": group.index,
+                    "sampler_version": rollout.sampler_version,
+                    "dropped": dropped,
                     "answer": group.problem.sample.get("answer"),
                     "prompt_tokens": len(rollout.prompt_tokens),
                     "reward": rollout.reward,
@@ -47,11 +52,14 @@ def trajectory_records(step: int, groups: list[Group]) -> list[dict]:
     return records
 
 
-def append_trajectories(output_dir: Path, step: int, groups: list[Group]) -> None:
+def append_trajectories(
+    output_dir: Path, step: int, groups: list[Group], dropped: list[Group] = ()
+) -> None:
     path = Path(output_dir) / "trajectories.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
+    records = trajectory_records(step, groups) + trajectory_records(step, list(dropped), True)
     with path.open("a") as f:
-        for record in trajectory_records(step, groups):
+        for record in records:
             f.write(json.dumps(record, default=str) + "\n")
 
 
