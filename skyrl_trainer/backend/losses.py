@@ -18,6 +18,15 @@ gradients flow into), `slp` = `loss_fn_inputs["logprobs"]` (the sampler's log-pr
 | dro                 | logprobs, advantages (+ weights)     | -sum(lp*A - w*beta/2 * (lp-slp)^2) |
 | gspo                | + sequence_ratio_mask                | ppo's, with one sequence ratio     |
 
+cross_entropy also takes several candidate targets per position: `target_tokens` and `weights`
+of shape (N, K), `lp` then (N, K) and the loss the sum over every cell (the SDK's 2-D
+`target_tokens`, sent e.g. by the tinker-cookbook's off-policy distillation). The other losses
+take one target per position and refuse 2-D inputs.
+
+`loss_fn_inputs` / `loss_fn_config` keys a loss does not read are refused (naming the key, the
+loss and the keys it accepts), never silently dropped: `resolve_loss_config` for the config,
+`datums.to_training_example` for the inputs.
+
 `clip(r)` = `clamp(r, clip_low_threshold, clip_high_threshold)`: the thresholds bound the RATIO
 itself (defaults 0.8 / 1.2, i.e. epsilon = 0.2), they are not epsilons. They come from
 `loss_fn_config`, and the Datum may override them per token with `loss_fn_inputs` keys of the same
@@ -84,6 +93,14 @@ class LossSpec:
     """An input the loss's gradient is proportional to, token by token (advantages, weights): a
     datum where it is all zero adds exactly nothing to the gradient, so the workers run only its
     forward. None: no such input (dro's penalty has a gradient whatever the advantages)."""
+    multi_target: bool = False
+    """The loss accepts 2-D `target_tokens` of shape (N, K), K candidate targets per position,
+    with every other input of the same shape; `lp` is then (N, K) too."""
+
+    @property
+    def accepted_inputs(self) -> tuple[str, ...]:
+        """Every `loss_fn_inputs` key the loss reads (`target_tokens` first)."""
+        return (TARGET_TOKENS, *self.required_inputs, *self.optional_inputs)
 
 
 LOSS_FNS: dict[str, LossSpec] = {}
@@ -96,6 +113,7 @@ def register_loss(
     optional_inputs: tuple[str, ...] | list[str] = (),
     config_defaults: Mapping[str, float] | None = None,
     gradient_weight_input: str | None = None,
+    multi_target: bool = False,
     replace: bool = False,
 ) -> Callable[[LossFn], LossFn]:
     """Decorator: register `fn` as the loss `name` in `LOSS_FNS` and return `fn` unchanged.
@@ -113,6 +131,7 @@ def register_loss(
             optional_inputs=tuple(optional_inputs),
             config_defaults={k: float(v) for k, v in (config_defaults or {}).items()},
             gradient_weight_input=gradient_weight_input,
+            multi_target=multi_target,
         )
         return fn
 
@@ -125,8 +144,12 @@ def get_loss(name: str) -> LossSpec:
     if spec is None and name == "stable_reinforce":
         raise InvalidRequestError(
             "loss_fn",
-            "'stable_reinforce' is not supported by this backend (its server-side stability "
-            "records are not public); use importance_sampling, ppo, cispo, gspo or dro",
+            "'stable_reinforce' is not supported by this backend: its objective and the "
+            "server-side stability records it reads (record_stability_info, provenance spans) "
+            "are not published. Pass loss_fn='importance_sampling' instead (the same "
+            "importance-weighted policy gradient on the sampler's logprobs, and the "
+            "tinker-cookbook rl_loop's default), or 'ppo' for a clipped ratio; fold a KL "
+            "penalty (stable_reinforce's kl_coeff) into the advantages",
         )
     if spec is None:
         choices = ", ".join(sorted(LOSS_FNS))
@@ -182,28 +205,43 @@ def check_loss_inputs(
 ) -> None:
     """Validate one datum's `loss_fn_inputs` for `spec`; raise InvalidRequestError naming the key.
 
-    Checks: `target_tokens` and every required key present; every key the loss reads is 1-D with
-    the length of `target_tokens`; float inputs finite; per-token clip thresholds in range
-    (`0 <= low <= 1 <= high`). Keys the loss does not read are ignored. `prefix` starts the error
-    fields, e.g. `data[3].loss_fn_inputs`.
+    Checks: `target_tokens` and every required key present; `target_tokens` is 1-D (N,), or 2-D
+    (N, K) with K >= 1 for a `multi_target` loss; every other key the loss reads has the shape of
+    `target_tokens`; float inputs finite; per-token clip thresholds in range
+    (`0 <= low <= 1 <= high`). Keys the loss does not read are not checked here (the datum
+    boundary, `datums.to_training_example`, refuses them). `prefix` starts the error fields,
+    e.g. `data[3].loss_fn_inputs`.
     """
     for key in (TARGET_TOKENS, *spec.required_inputs):
         if key not in inputs:
             raise InvalidRequestError(f"{prefix}.{key}", f"required by loss {spec.name!r}")
     targets = inputs[TARGET_TOKENS]
-    if targets.dim() != 1:
+    shape = tuple(targets.shape)
+    if spec.multi_target:
+        if targets.dim() not in (1, 2) or (targets.dim() == 2 and shape[1] < 1):
+            raise InvalidRequestError(
+                f"{prefix}.{TARGET_TOKENS}",
+                f"must be 1-D (N,) or 2-D (N, K) with K >= 1, got shape {shape}",
+            )
+    elif targets.dim() != 1:
         raise InvalidRequestError(
-            f"{prefix}.{TARGET_TOKENS}", f"must be 1-D, got shape {tuple(targets.shape)}"
+            f"{prefix}.{TARGET_TOKENS}",
+            f"must be 1-D, got shape {shape}"
+            + (
+                f" (several targets per position, 2-D (N, K), only work with "
+                f"{_multi_target_losses()})"
+                if targets.dim() == 2
+                else ""
+            ),
         )
-    n = targets.shape[0]
     for key in (*spec.required_inputs, *spec.optional_inputs):
         if key not in inputs:
             continue
         value = inputs[key]
-        if tuple(value.shape) != (n,):
+        if tuple(value.shape) != shape:
             raise InvalidRequestError(
                 f"{prefix}.{key}",
-                f"must have shape ({n},) like target_tokens, got {tuple(value.shape)}",
+                f"must have shape {shape} like target_tokens, got {tuple(value.shape)}",
             )
         if value.is_floating_point() and not bool(torch.isfinite(value).all()):
             raise InvalidRequestError(f"{prefix}.{key}", "contains NaN or infinite values")
@@ -223,6 +261,10 @@ def check_loss_inputs(
 
 # ---------------------------------------------------------------------------------------------
 # Helpers
+
+
+def _multi_target_losses() -> str:
+    return ", ".join(sorted(name for name, spec in LOSS_FNS.items() if spec.multi_target))
 
 
 def _input(inputs: Mapping[str, torch.Tensor], key: str, like: torch.Tensor) -> torch.Tensor:
@@ -266,11 +308,21 @@ _CLIP_INPUTS = (CLIP_LOW, CLIP_HIGH)
 # The built-in losses
 
 
-@register_loss("cross_entropy", required_inputs=("weights",), gradient_weight_input="weights")
+@register_loss(
+    "cross_entropy",
+    required_inputs=("weights",),
+    gradient_weight_input="weights",
+    multi_target=True,
+)
 def cross_entropy(
     lp: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict[str, float]
 ) -> torch.Tensor:
-    """Weighted negative log-likelihood: sum(-lp * weights)."""
+    """Weighted negative log-likelihood: sum(-lp * weights).
+
+    With 2-D `target_tokens` (N, K) (K candidate targets per position, e.g. a teacher's top-K
+    for distillation), `lp[t, k] = log p(target_tokens[t, k] | input[:t+1])` and `weights` is
+    (N, K): the loss is the sum over every cell, sum_t sum_k -w[t, k] * lp[t, k].
+    """
     return -(lp * _input(inputs, "weights", lp)).sum()
 
 

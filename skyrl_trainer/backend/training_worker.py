@@ -62,7 +62,7 @@ class ModelDescription:
 
 @dataclass
 class ForwardResult:
-    logprobs: list[torch.Tensor]  # per datum, float32 (N,)
+    logprobs: list[torch.Tensor]  # per datum, float32, the shape of its target_tokens
     loss_sum: float
 
 
@@ -77,6 +77,20 @@ class _ModelSlot:
     @property
     def params(self) -> list[torch.nn.Parameter]:
         return [p for _, p in self.named_params]
+
+
+def _padded_targets(examples: list[TrainingExample], width: int) -> torch.Tensor:
+    """The examples' target tokens right-padded (with 0) to (B, width), or to (B, width, K_max)
+    when any example has several targets per position (a 1-D example fills column 0)."""
+    targets = [e.loss_inputs["target_tokens"] for e in examples]
+    if all(t.dim() == 1 for t in targets):
+        return pad_right(targets).input_ids_BT
+    k_max = max(t.shape[1] if t.dim() == 2 else 1 for t in targets)
+    out = torch.zeros((len(targets), width, k_max), dtype=torch.long)
+    for row, t in enumerate(targets):
+        t = t if t.dim() == 2 else t[:, None]
+        out[row, : t.shape[0], : t.shape[1]] = t
+    return out
 
 
 def resolve_device(name: str) -> torch.device:
@@ -235,7 +249,7 @@ class TrainingWorker:
         backward: bool,
     ) -> tuple[list[torch.Tensor], float]:
         inputs = pad_right([e.input_ids_N for e in examples])
-        targets = pad_right([e.loss_inputs["target_tokens"] for e in examples]).input_ids_BT
+        targets = _padded_targets(examples, inputs.input_ids_BT.shape[1])
         with torch.set_grad_enabled(backward), self._autocast():
             logprobs_N = self._logprobs(
                 slot,
@@ -245,6 +259,13 @@ class TrainingWorker:
             )
         with torch.set_grad_enabled(backward):
             per_example = torch.split(logprobs_N, [e.length for e in examples])
+            if targets.dim() == 3:  # (N, K_max) each: back to each datum's own targets' shape
+                per_example = [
+                    lp[:, : t.shape[1]] if t.dim() == 2 else lp[:, 0]
+                    for lp, t in zip(
+                        per_example, (e.loss_inputs["target_tokens"] for e in examples)
+                    )
+                ]
             losses = [
                 spec.fn(lp, {k: v.to(self.device) for k, v in e.loss_inputs.items()}, loss_config)
                 for lp, e in zip(per_example, examples, strict=True)
