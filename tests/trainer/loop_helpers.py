@@ -95,13 +95,13 @@ def record(trainer) -> RecordingTrainingClient:
 
 def spy_on_batches(monkeypatch) -> list:
     """Record every batch the loop collects (`collect.Batch`: trained and sampled groups)."""
-    from skyrl_trainer.trainer import loop
+    from skyrl_trainer.trainer import pipeline
 
-    batches, collect = [], loop.collect_batch
+    batches, collect = [], pipeline.collect_batch
 
     def spy(*args, **kwargs):
         batches.append(collect(*args, **kwargs))
         return batches[-1]
 
-    monkeypatch.setattr(loop, "collect_batch", spy)
+    monkeypatch.setattr(pipeline, "collect_batch", spy)
     return batches

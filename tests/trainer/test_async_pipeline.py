@@ -7,11 +7,13 @@ import json
 import threading
 import time
 
-import numpy as np
 import pytest
 
+from skyrl_trainer.backend.futures import done
+from skyrl_trainer.data import PromptStream
 from skyrl_trainer.trainer.config import ConfigError, validate_config
 from skyrl_trainer.trainer.loop import RLTrainer
+from skyrl_trainer.trainer.setup import load_problems
 from tests.trainer.loop_helpers import make_config, make_service, write_reward_module
 
 
@@ -109,39 +111,155 @@ def test_off_policy_zero_is_the_synchronous_loop(tmp_path, tiny_model_dir, rewar
     assert not any(k.startswith("async/") for k in sync[0])
 
 
-def test_streaming_respects_the_bound_and_accounts_for_every_group(
+def test_streaming_respects_the_bound_and_trains_every_group_once_across_a_resume(
     tmp_path, tiny_model_dir, reward_module
 ):
     k = 1
+    overrides = {"checkpoint.every": 2}
     cfg = async_config(
-        tmp_path, tiny_model_dir, reward_module, mode="streaming", k=k, steps=5, **{
-            "checkpoint.every": 2,
-        }
+        tmp_path, tiny_model_dir, reward_module, "streaming", k, steps=5, **overrides
     )
-    first = RLTrainer(cfg, make_service(tmp_path)).run(stop_after=3)  # checkpoint at step 2
-    resumed = RLTrainer(cfg, make_service(tmp_path))
+    RLTrainer(cfg, make_service(tmp_path)).run(stop_after=3)  # killed after step 3; ckpt at 2
+    log_before = len(read_trajectories(tmp_path / "run"))
+    resumed = RLTrainer(cfg, make_service(tmp_path))  # a new process: resume=auto
     assert resumed.start_step == 2
     saved = resumed.run_state.pending_pipeline
-    rest = resumed.run()
-    records = [r for r in read_trajectories(tmp_path / "run") if r["index"] == 0]
-    # The first run's step 3 was not checkpointed: the resumed run redoes it.
-    records = [r for r in records if not (r["step"] == 3 and r in records[: len(records)])] or records
-    history = first[:2] + rest
-    trained: dict[int, int] = {}
-    for m_step, m in enumerate(history):
+    history = resumed.run()
+    final = history[-1]
+
+    # The run as it counts: the first run's steps 1-2 (checkpointed), then the resumed run.
+    records = read_trajectories(tmp_path / "run")
+    timeline = [r for r in records[:log_before] if r["step"] <= 2] + records[log_before:]
+    groups = {(r["step"], r["group_id"], r["dropped"], r["sampler_version"]) for r in timeline}
+    trained = [gid for _, gid, dropped, _ in groups if not dropped]
+    dropped = [gid for _, gid, was_dropped, _ in groups if was_dropped]
+    for step, _, was_dropped, version in groups:
+        if not was_dropped:
+            assert step - 1 - version <= k  # never older than the bound
+    assert len(trained) == len(set(trained)) == 5 * 4  # every batch full, no group twice
+    assert not set(trained) & set(dropped)
+    # Every group started is trained, dropped (counted), or still untrained when the run ended;
+    # the ones in flight at the checkpoint were rolled out again after the resume.
+    assert (
+        final["async/groups_started"]
+        == len(trained) + len(dropped) + final["async/groups_untrained"]
+    )
+    assert set(range(final["async/groups_started"])) >= set(trained) | set(dropped)
+    assert final["async/resampled_after_resume"] == len(saved["in_flight"])
+    assert sum(m["async/dropped_groups"] for m in history) <= final["async/dropped_total"]
+    for m in history:
         assert m["async/staleness_max"] <= k
-    resumed_records = [r for r in read_trajectories(tmp_path / "run")]
-    # Split the log at the resume: the resumed run's records come after the first run's 3 steps.
-    lines_first = sum(1 for r in resumed_records if r["step"] <= 3)
-    del lines_first
-    for r in records:
-        assert r["sampler_version"] >= r["step"] - 1 - k, r
-    # Every group the resumed run started is trained once, dropped, or still untrained at the end.
-    final = rest[-1]
-    dropped = sum(m["async/dropped_groups"] for m in history)
-    assert final["async/groups_started"] >= 5 * 4
-    assert saved["started"] >= 2 * 4
-    del trained, dropped
+
+
+SLOW_REWARD = """
+import time
+
+def slow_on_multiples_of_three(response, sample):
+    if int(sample["answer"]) % 3 == 0:
+        time.sleep(3.0)
+    return 0.1 * len(response) / 8
+"""
+
+
+def test_streaming_trains_fast_groups_while_a_slow_environment_runs(
+    tmp_path, tiny_model_dir, monkeypatch
+):
+    (tmp_path / "slow_rewards.py").write_text(SLOW_REWARD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reward = "slow_rewards:slow_on_multiples_of_three"
+    cfg = async_config(
+        tmp_path, tiny_model_dir, reward, "streaming", 1, steps=3, **{"checkpoint.every": 0}
+    )
+    trainer = RLTrainer(cfg, make_service(tmp_path))
+    # Group ids are the order groups started: the stream's order (nothing was re-queued).
+    stream = PromptStream(load_problems(cfg)[0], 4, seed=cfg.seed)
+    answers = [int(p.sample["answer"]) for p in stream.next_batch(8)]
+    slow_ids = [i for i, answer in enumerate(answers) if answer % 3 == 0]
+    assert slow_ids and slow_ids[0] < 4, answers  # a slow group among the first ones started
+    trainer.run()
+    records = [r for r in read_trajectories(tmp_path / "run") if r["index"] == 0]
+    first_batch = [r["group_id"] for r in records if r["step"] == 1 and not r["dropped"]]
+    assert len(first_batch) == 4
+    assert not set(first_batch) & set(slow_ids), "a slow group held up the first batch"
+    assert max(first_batch) > slow_ids[0]  # faster groups that started later overtook it
+
+
+class FailingSampler:
+    """A sampler whose engine dies at its `fail_at`-th request (counted across samplers)."""
+
+    def __init__(self, inner, counter):
+        self._inner, self._counter = inner, counter
+
+    def sample(self, *args, **kwargs):
+        self._counter["n"] += 1
+        if self._counter["n"] == self._counter["fail_at"]:
+            raise RuntimeError("sampling engine died")
+        return self._inner.sample(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+class FaultyTrainingClient:
+    """The real client; its samplers fail at request `fail_at`, and `interrupt_at`-th
+    forward_backward raises KeyboardInterrupt in the learner (what Ctrl-C does)."""
+
+    def __init__(self, inner, fail_at=None, interrupt_at=None):
+        self._inner = inner
+        self._counter = {"n": 0, "fail_at": fail_at}
+        self._interrupt_at, self._calls = interrupt_at, 0
+
+    def save_weights_and_get_sampling_client(self, *args, **kwargs):
+        future = self._inner.save_weights_and_get_sampling_client(*args, **kwargs)
+        sampler = future.result()
+        return done(FailingSampler(sampler, self._counter))
+
+    def forward_backward(self, *args, **kwargs):
+        self._calls += 1
+        if self._calls == self._interrupt_at:
+            raise KeyboardInterrupt
+        return self._inner.forward_backward(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def pipeline_threads():
+    return [
+        t
+        for t in threading.enumerate()
+        if t.name.startswith(("producer", "trajectory")) and t.is_alive()
+    ]
+
+
+@pytest.mark.parametrize("mode", ["deterministic", "streaming"])
+@pytest.mark.parametrize("fault", ["engine", "ctrl_c"])
+def test_a_fault_stops_producers_and_learner_and_the_run_resumes(
+    tmp_path, tiny_model_dir, reward_module, mode, fault
+):
+    cfg = async_config(
+        tmp_path, tiny_model_dir, reward_module, mode, 1, steps=5, **{"checkpoint.every": 1}
+    )
+    trainer = RLTrainer(cfg, make_service(tmp_path))
+    # Step 3 of 5: the engine dies at its 3rd batch's requests / Ctrl-C in the 3rd update.
+    kwargs = {"fail_at": 9} if fault == "engine" else {"interrupt_at": 5}
+    trainer.training = FaultyTrainingClient(trainer.training, **kwargs)
+    expected = RuntimeError if fault == "engine" else KeyboardInterrupt
+    with pytest.raises(expected):
+        trainer.run()
+    started = time.monotonic()
+    while pipeline_threads() and time.monotonic() - started < 10:
+        time.sleep(0.1)
+    assert not pipeline_threads()  # run() returned after stopping them; none hangs
+    folders = sorted((tmp_path / "run" / "checkpoints").iterdir())
+    assert folders and all((f / "loop_state.json").is_file() for f in folders)
+    assert not list((tmp_path / "run" / "checkpoints").rglob(".tmp-*"))
+    resumed = RLTrainer(cfg, make_service(tmp_path))
+    assert 1 <= resumed.start_step < 5
+    history = resumed.run()
+    assert len(history) == 5 - resumed.start_step
+    for m in history:
+        assert m["async/staleness_max"] <= 1
 
 
 def test_bad_async_settings_are_refused(tmp_path, tiny_model_dir, reward_module):
