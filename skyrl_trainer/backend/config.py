@@ -101,6 +101,10 @@ class SamplingConfig:
     """Engine replicas per served model. 1: the engine runs in this process (no Ray). More: each
     replica is a Ray actor (`sampling.engine_pool.EnginePool`); requests are routed with prefix
     affinity and every weight or adapter sync reaches all replicas before it returns."""
+    engines_as_actors: bool = False
+    """Run the engine as a Ray actor even when num_engines is 1: a process of its own with
+    `num_cpus_per_engine` torch threads, so sampling does not share the trainer's threads (what
+    asynchronous RL on one machine wants: sampler and learner each on their own cores)."""
     num_cpus_per_engine: float = 1.0
     """Ray CPUs each engine actor reserves (num_engines > 1); also its torch threads (at least 1)."""
     num_gpus_per_engine: float | None = None

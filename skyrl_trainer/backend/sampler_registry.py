@@ -46,8 +46,9 @@ def make_served_engine(
     model_dir: Path, config: SamplingConfig, lora: bool, ray_config: RayConfig | None = None
 ) -> SamplingEngine:
     """What serves one model: one in-process engine (`config.num_engines == 1`), or an
-    `EnginePool` of that many Ray actor replicas on `ray_config`'s Ray."""
-    if config.num_engines != 1:
+    `EnginePool` of that many Ray actor replicas on `ray_config`'s Ray (also for one engine with
+    `config.engines_as_actors`)."""
+    if config.num_engines != 1 or config.engines_as_actors:
         from skyrl_trainer.backend.sampling.engine_pool import EnginePool
 
         return EnginePool(model_dir, config, lora=lora, ray_config=ray_config)

@@ -382,3 +382,22 @@ def test_broadcast_weight_sync(ray_session, tiny_model_dir, tokenizer):
         np.testing.assert_allclose(served(0), expected(), rtol=0, atol=LOGPROB_TOL)
     finally:
         pool.shutdown()
+
+
+def test_one_engine_as_an_actor(ray_session, tiny_model_dir, local_engine, vocab):
+    """`engines_as_actors`: a single engine runs in a Ray actor process of its own (the
+    sampler of asynchronous RL, off the trainer's threads) and serves as the in-process one."""
+    from skyrl_trainer.backend.sampler_registry import make_served_engine
+
+    config = SamplingConfig(
+        **SAMPLING, engines_as_actors=True, num_cpus_per_engine=0.25, max_batch_size=2
+    )
+    pool = make_served_engine(tiny_model_dir, config, lora=False)
+    try:
+        assert isinstance(pool, EnginePool) and len(pool.actors) == 1
+        assert pool.pids[0] != os.getpid()
+        batch = requests(vocab, 3, seed=7)
+        got = [f.result(60) for f in [pool.generate(r) for r in batch]]
+        assert_same_results(got, [local_engine.generate(r).result(60) for r in batch])
+    finally:
+        pool.shutdown()
