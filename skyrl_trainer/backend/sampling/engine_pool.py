@@ -86,6 +86,7 @@ class EnginePool:
         self.requests_per_engine = [0] * n
         self._dead: dict[int, str] = {}
         self._sync_lock = threading.Lock()  # broadcast updates share one process group
+        ray_cluster.connect(ray_config or RayConfig())  # before asking Ray about GPUs
         on_gpu = bool(engine_bundle(config).get("GPU")) and torch.cuda.is_available()
         # The dtype weights travel in; "auto" resolves as the engines will on their device.
         self._dtype = resolve_compute_dtype(
@@ -93,7 +94,6 @@ class EnginePool:
         )
         self._sender = WeightSender("nccl" if on_gpu else "gloo", config.weight_sync_timeout_s)
         self.tokenizer = load_tokenizer(model_dir)
-        ray_cluster.connect(ray_config or RayConfig())
         launched = launch(self.model_dir, config, lora)
         self._pg = launched.placement_group
         self._actors, self._actor_ids = launched.actors, launched.actor_ids
