@@ -160,7 +160,7 @@ def to_training_example(
     target_shape: tuple[int, ...] = (n,)
     for key in [k for k in accepted if k in inputs]:
         key_field = f"{field}.loss_fn_inputs.{key}"
-        pad = 0 if key in SPARSE_KEYS and spec.multi_target else None
+        pad = 0 if key in SPARSE_KEYS else None
         array = tensor_data_to_numpy(inputs[key], key_field, pad_value=pad)
         if key == "target_tokens":
             two_d = spec.multi_target and array.ndim == 2 and array.shape[0] == n

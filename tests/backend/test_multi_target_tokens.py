@@ -306,3 +306,22 @@ def test_k_target_refusals_name_the_field(sc, tiny_model_dir, vocab):
     err = _refused(tc, [rl], "importance_sampling")
     assert err.field == "data[0].loss_fn_inputs.target_tokens"
     assert "cross_entropy" in err.problem
+
+
+def test_sparse_k_targets_to_a_one_target_loss_get_the_shape_message(sc, tiny_model_dir):
+    """A 2-D torch tensor arrives as CSR; the refusal is about the shape, not the encoding."""
+    tc = sc.create_lora_training_client(str(tiny_model_dir), rank=4, seed=2).result()
+    targets = torch.zeros((6, 3), dtype=torch.int64)
+    targets[1, 0] = 5
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(list(range(10, 16))),
+        loss_fn_inputs={
+            "target_tokens": targets,
+            "logprobs": np.zeros((6, 3), np.float32),
+            "advantages": np.ones((6, 3), np.float32),
+        },
+    )
+    assert datum.loss_fn_inputs["target_tokens"].sparse_crow_indices is not None
+    err = _refused(tc, [datum], "ppo")
+    assert err.field == "data[0].loss_fn_inputs.target_tokens"
+    assert "[6, 3]" in err.problem and "cross_entropy" in err.problem

@@ -15,6 +15,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+import numpy as np
 import torch
 
 from skyrl_trainer.backend.errors import InvalidRequestError
@@ -31,6 +32,9 @@ class GenerationParams:
     stop_strings: tuple[str, ...] = ()  # decoded text containing one ends the sequence ("stop")
 
 
+MAX_TOPK = 20  # widest top-k (prompt or sampled positions), alternative draws, target columns
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     prompt_ids: tuple[int, ...]
@@ -39,6 +43,31 @@ class GenerationRequest:
     prompt_logprobs: bool = False  # log p(prompt[i] | prompt[:i]); position 0 is None
     topk_prompt_logprobs: int = 0  # also the top-k (token, logprob) at each prompt position
     adapter: str | None = None  # a LoRA adapter loaded with add_lora; None = the engine's weights
+    topk_sample_logprobs: int = 0  # the top-k (token, logprob) at each generated position
+    prompt_logprobs_last_n: int | None = None
+    """Score only the last N prompt positions (prompt log-probs and their top-k); earlier
+    positions are None. None: every position."""
+    target_prompt_logprobs: np.ndarray | None = field(default=None, compare=False)
+    """int64 (len(prompt) - 1, K): cell [i, j] asks for log p(id | prompt[:i+1]), the log-prob
+    of that id at prompt position i + 1; -1 asks for nothing."""
+    prompt_alt_tokens_k: int = 0
+    """Draw this many tokens, independently, at the request's temperature, from the model's
+    next-token distribution at every prompt position after the first."""
+
+    @property
+    def scores_prompt(self) -> bool:
+        """The prompt's positions need the model's distributions (a prompt-scoring prefill)."""
+        return (
+            self.prompt_logprobs
+            or self.topk_prompt_logprobs > 0
+            or self.target_prompt_logprobs is not None
+            or self.prompt_alt_tokens_k > 0
+        )
+
+    def first_scored_position(self) -> int:
+        """The first prompt position whose log-prob / top-k is reported (>= 1)."""
+        n = self.prompt_logprobs_last_n
+        return 1 if n is None else max(1, len(self.prompt_ids) - n)
 
 
 @dataclass
@@ -46,6 +75,9 @@ class GeneratedSequence:
     tokens: list[int]  # includes the stop token / the token that completed a stop string
     logprobs: list[float]  # log p(token) under the model's raw distribution (temperature 1)
     stop_reason: Literal["stop", "length"]
+    # With topk_sample_logprobs: per generated position, the top-k (token, logprob) of the raw
+    # distribution, most likely first.
+    topk_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass
@@ -54,6 +86,10 @@ class GenerationResult:
     prompt_logprobs: list[float | None] | None = None
     topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
     extra: dict = field(default_factory=dict)
+    # float32 (len(prompt) - 1, K), the request's target_prompt_logprobs scored; 0.0 at -1 cells.
+    target_prompt_logprobs: np.ndarray | None = None
+    # (tokens int64, logprobs float32), each (len(prompt) - 1, k): prompt_alt_tokens_k draws.
+    prompt_alt_tokens: tuple[np.ndarray, np.ndarray] | None = None
 
 
 class EngineDiedError(RuntimeError):
@@ -91,6 +127,40 @@ def validate_request(request: GenerationRequest, vocab_size: int, max_model_len:
     k = request.topk_prompt_logprobs
     if not 0 <= k <= vocab_size:
         raise InvalidRequestError("topk_prompt_logprobs", f"is {k}; must be in [0, {vocab_size}]")
+    for name in ("topk_sample_logprobs", "prompt_alt_tokens_k"):
+        value = getattr(request, name)
+        if not 0 <= value <= MAX_TOPK:
+            raise InvalidRequestError(name, f"is {value}; must be in [0, {MAX_TOPK}]")
+    last_n = request.prompt_logprobs_last_n
+    if last_n is not None:
+        if not (request.prompt_logprobs or request.topk_prompt_logprobs):
+            raise InvalidRequestError(
+                "prompt_logprobs_last_n", "applies to prompt log-probs, which were not asked for"
+            )
+        if not 1 <= last_n <= len(prompt) - 1:
+            raise InvalidRequestError(
+                "prompt_logprobs_last_n", f"is {last_n}; must be in [1, {len(prompt) - 1}]"
+            )
+    targets = request.target_prompt_logprobs
+    if targets is not None:
+        targets = np.asarray(targets)
+        if targets.dtype.kind not in "iu" or targets.ndim != 2:
+            raise InvalidRequestError(
+                "target_prompt_logprobs", "must be a 2-D integer array (len(prompt) - 1, K)"
+            )
+        if targets.shape[0] != len(prompt) - 1 or not 1 <= targets.shape[1] <= MAX_TOPK:
+            raise InvalidRequestError(
+                "target_prompt_logprobs",
+                f"has shape {list(targets.shape)}; must be [{len(prompt) - 1}, K] with "
+                f"1 <= K <= {MAX_TOPK}",
+            )
+        bad = np.argwhere((targets < -1) | (targets >= vocab_size))
+        if bad.size:
+            i, j = (int(x) for x in bad[0])
+            raise InvalidRequestError(
+                f"target_prompt_logprobs[{i}][{j}]",
+                f"is {int(targets[i, j])}; must be a token id in [0, {vocab_size}) or -1 (none)",
+            )
     params = request.params
     if params.max_tokens < 0:
         raise InvalidRequestError("max_tokens", f"is {params.max_tokens}; must be >= 0")

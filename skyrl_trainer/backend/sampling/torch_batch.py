@@ -10,10 +10,12 @@ Only the engine loop thread calls these.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from skyrl_trainer.backend.sampling.kv_cache import SlotKVCache
@@ -227,19 +229,72 @@ class BatchRunner:
             store.put(group.adapter, tokens, group.cache.row_kv(slot, length))
 
     def _score_prompt(self, pending: Pending, hidden: torch.Tensor, targets: torch.Tensor) -> None:
-        """log p(prompt[i] | prompt[:i]) (and the top-k) for i >= 1, from the prefill's states."""
-        k = pending.request.topk_prompt_logprobs
-        logprobs: list[float | None] = [None]
-        topk: list[list[tuple[int, float]] | None] = [None]
-        for start in range(0, hidden.shape[0], PROMPT_LOGPROB_CHUNK):
-            end = start + PROMPT_LOGPROB_CHUNK
-            logp = torch.log_softmax(self._logits(hidden[start:end]), dim=-1)
-            logprobs.extend(logp.gather(1, targets[start:end, None]).squeeze(1).tolist())
-            if k:
-                values, indices = logp.topk(k, dim=-1)
-                topk.extend([list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())])
-        pending.prompt_logprobs = logprobs if pending.request.prompt_logprobs else None
+        """What the request asks about its prompt, from the prefill's states (row i of `hidden`
+        predicts prompt position i + 1, whose token is `targets[i]`):
+        - log p(prompt[i] | prompt[:i]) and the top-k, for i >= 1, or only for the last
+          `prompt_logprobs_last_n` positions (earlier ones None);
+        - `target_prompt_logprobs`: the log-probs of the named ids (0.0 where -1);
+        - `prompt_alt_tokens_k` draws per position at the request's temperature, with their
+          raw (temperature 1) log-probs.
+        Rows no output needs are not projected onto the vocabulary."""
+        request = pending.request
+        n_rows = hidden.shape[0]
+        k = request.topk_prompt_logprobs
+        wants_lp = request.prompt_logprobs or k > 0
+        first_lp_row = request.first_scored_position() - 1 if wants_lp else n_rows
+        ids = request.target_prompt_logprobs
+        first_target_row, ids_t, target_out = n_rows, None, None
+        if ids is not None:
+            named = np.flatnonzero((ids >= 0).any(axis=1))
+            first_target_row = int(named[0]) if named.size else n_rows
+            ids_t = torch.from_numpy(np.maximum(ids, 0).astype(np.int64)).to(self.device)
+            target_out = np.zeros(ids.shape, dtype=np.float32)
+        alt_k = request.prompt_alt_tokens_k
+        alt_tokens, alt_logprobs = [], []
+        generator = self._alt_generator(request.params.seed) if alt_k else None
+        start = 0 if alt_k else min(first_lp_row, first_target_row)
+        logprobs: list[float | None] = [None] * (first_lp_row + 1)
+        topk: list[list[tuple[int, float]] | None] = [None] * (first_lp_row + 1)
+        for lo in range(start, n_rows, PROMPT_LOGPROB_CHUNK):
+            hi = min(lo + PROMPT_LOGPROB_CHUNK, n_rows)
+            logits = self._logits(hidden[lo:hi])
+            logp = torch.log_softmax(logits, dim=-1)
+            if wants_lp and hi > first_lp_row:
+                a = max(lo, first_lp_row) - lo
+                part = logp[a:]
+                logprobs.extend(part.gather(1, targets[lo + a : hi, None]).squeeze(1).tolist())
+                if k:
+                    values, indices = part.topk(k, dim=-1)
+                    topk.extend(
+                        [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
+                    )
+            if ids_t is not None and hi > first_target_row:
+                target_out[lo:hi] = logp.gather(1, ids_t[lo:hi]).cpu().numpy()
+            if alt_k:
+                draws = _draw(logits, request.params.temperature, alt_k, generator)
+                alt_tokens.append(draws.cpu())
+                alt_logprobs.append(logp.gather(1, draws).cpu())
+        pending.prompt_logprobs = logprobs if request.prompt_logprobs else None
         pending.topk_prompt_logprobs = topk if k else None
+        if target_out is not None:
+            target_out[ids < 0] = 0.0
+            pending.target_prompt_logprobs = target_out
+        if alt_k:
+            empty = torch.zeros((0, alt_k))
+            pending.prompt_alt_tokens = (
+                torch.cat(alt_tokens or [empty.long()]).numpy().astype(np.int64),
+                torch.cat(alt_logprobs or [empty.float()]).numpy().astype(np.float32),
+            )
+
+    def _alt_generator(self, seed: int | None) -> torch.Generator:
+        """The random stream of a request's alternative draws: fixed by its seed, else fresh."""
+        generator = torch.Generator(device=self.device)
+        if seed is None:
+            generator.seed()
+        else:
+            digest = hashlib.sha256(f"skyrl-prompt-alt:{seed}".encode()).digest()
+            generator.manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+        return generator
 
     def decode(self, group: RowGroup) -> None:
         cache = group.cache
@@ -263,13 +318,14 @@ class BatchRunner:
             settings = SamplingSettings.build(
                 [r.params for r in rows], self.vocab_size, self.device
             )
+        topk = _topk_rows(logits, [r.pending.topk_sample for r in rows])
         tokens, logprobs = sample_tokens(logits, settings, [r.rng.random() for r in rows])
         self.stats.generated_tokens += len(rows)
         done = []
-        for i, (row, token, logprob) in enumerate(
-            zip(rows, tokens.tolist(), logprobs.tolist()), start=first
+        for i, (row, token, logprob, cell) in enumerate(
+            zip(rows, tokens.tolist(), logprobs.tolist(), topk), start=first
         ):
-            if row.append(token, logprob) or row.pending.future.done():
+            if row.append(token, logprob, cell) or row.pending.future.done():
                 done.append(i)
         if done:
             if self.prefix_store is not None:  # before the results: a next turn may follow
@@ -281,3 +337,26 @@ class BatchRunner:
             order = group.cache.remove_rows(done)
             group.rows = [group.rows[j] for j in order]
             group.settings = None
+
+
+def _topk_rows(logits: torch.Tensor, ks: list[int]) -> list[list[tuple[int, float]] | None]:
+    """Each row's top-`ks[i]` (token, raw log-prob), most likely first; None where k is 0."""
+    k_max = max(ks, default=0)
+    if k_max == 0:
+        return [None] * len(ks)
+    values, indices = torch.log_softmax(logits, dim=-1).topk(k_max, dim=-1)
+    return [
+        list(zip(i[:k], v[:k])) if k else None
+        for i, v, k in zip(indices.tolist(), values.tolist(), ks)
+    ]
+
+
+def _draw(
+    logits: torch.Tensor, temperature: float, k: int, generator: torch.Generator
+) -> torch.Tensor:
+    """`k` independent draws (with replacement) per row from softmax(logits / temperature);
+    temperature 0: the argmax, k times."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True).expand(-1, k).contiguous()
+    probs = torch.softmax(logits / temperature, dim=-1)
+    return torch.multinomial(probs, k, replacement=True, generator=generator)

@@ -63,7 +63,9 @@ class Pending:
         self.future = future
         self.prompt_len = len(request.prompt_ids)
         self.num_rows = request.num_samples if params.max_tokens > 0 else 0
-        self.wants_prompt_logprobs = request.prompt_logprobs or request.topk_prompt_logprobs > 0
+        # Prompt log-probs, their top-k, target ids or alternative draws: a scoring prefill.
+        self.wants_prompt_logprobs = request.scores_prompt
+        self.topk_sample = request.topk_sample_logprobs
         self.limit = min(params.max_tokens, max_model_len - self.prompt_len)
         self.stop_ids = frozenset(params.stop_token_ids)
         self.stop_strings = StopStrings(tokenizer, params.stop_strings)
@@ -71,18 +73,23 @@ class Pending:
         self.remaining = self.num_rows
         self.prompt_logprobs: list[float | None] | None = None
         self.topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
+        self.target_prompt_logprobs = None  # np.ndarray float32 (len(prompt) - 1, K)
+        self.prompt_alt_tokens = None  # (tokens, logprobs) np.ndarrays (len(prompt) - 1, k)
 
     def record(self, row: Row) -> bool:
         """Note that `row` left the batch; True when it was the request's last row."""
         if row.stop_reason is not None:
-            self.sequences[row.index] = GeneratedSequence(row.tokens, row.logprobs, row.stop_reason)
+            self.sequences[row.index] = GeneratedSequence(
+                row.tokens, row.logprobs, row.stop_reason, row.topk
+            )
         self.remaining -= 1
         return self.remaining == 0
 
     def finish_empty(self) -> None:
         """max_tokens == 0: every sample is empty."""
         self.sequences = [
-            GeneratedSequence([], [], "length") for _ in range(self.request.num_samples)
+            GeneratedSequence([], [], "length", [] if self.topk_sample else None)
+            for _ in range(self.request.num_samples)
         ]
 
     def result(self) -> GenerationResult:
@@ -91,13 +98,25 @@ class Pending:
             sequences=list(self.sequences),
             prompt_logprobs=self.prompt_logprobs,
             topk_prompt_logprobs=self.topk_prompt_logprobs,
+            target_prompt_logprobs=self.target_prompt_logprobs,
+            prompt_alt_tokens=self.prompt_alt_tokens,
         )
 
 
 class Row:
     """One sample of a request: its tokens so far, their log-probs and its random stream."""
 
-    __slots__ = ("pending", "index", "params", "rng", "tokens", "logprobs", "stop_reason", "prefix")
+    __slots__ = (
+        "pending",
+        "index",
+        "params",
+        "rng",
+        "tokens",
+        "logprobs",
+        "stop_reason",
+        "prefix",
+        "topk",
+    )
 
     def __init__(self, pending: Pending, index: int):
         self.pending = pending
@@ -108,11 +127,17 @@ class Row:
         self.logprobs: list[float] = []
         self.stop_reason: Literal["stop", "length"] | None = None
         self.prefix: PrefixEntry | None = None  # the stored KV the row started from, if any
+        # The top-k (token, logprob) at each generated position, when the request asks.
+        self.topk: list[list[tuple[int, float]]] | None = [] if pending.topk_sample else None
 
-    def append(self, token: int, logprob: float) -> bool:
-        """Add a sampled token; True when the row is finished (stop_reason set)."""
+    def append(
+        self, token: int, logprob: float, topk: list[tuple[int, float]] | None = None
+    ) -> bool:
+        """Add a sampled token (and its position's top-k); True when the row is finished."""
         self.tokens.append(token)
         self.logprobs.append(logprob)
+        if self.topk is not None:
+            self.topk.append(topk or [])
         pending = self.pending
         if token in pending.stop_ids or (
             pending.stop_strings and pending.stop_strings.hit(self.tokens)

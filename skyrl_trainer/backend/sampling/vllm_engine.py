@@ -43,6 +43,7 @@ from skyrl_trainer.backend.sampling.engine import (
 )
 from skyrl_trainer.backend.sampling.engine_control import EngineControl
 from skyrl_trainer.backend.sampling.vllm_requests import (
+    check_vllm_supports,
     combined_result,
     split_by_sample,
     to_generation_result,
@@ -123,7 +124,7 @@ class VLLMSamplingEngine:
             enable_lora=enable_lora,
             max_lora_rank=max_lora_rank if enable_lora else None,
             max_loras=max_loras,
-            max_logprobs=20,  # the Tinker cap on topk_prompt_logprobs
+            max_logprobs=20,  # the Tinker cap on topk_prompt_logprobs / topk_sample_logprobs
         )
         if kv_cache_gib is None and not torch.cuda.is_available():
             kv_cache_gib = 2.0
@@ -169,6 +170,7 @@ class VLLMSamplingEngine:
     def generate(self, request: GenerationRequest) -> Future[GenerationResult]:
         try:
             validate_request(request, self.vocab_size, self.max_model_len)
+            check_vllm_supports(request)
         except Exception as exc:
             future: Future[GenerationResult] = Future()
             future.set_exception(exc)

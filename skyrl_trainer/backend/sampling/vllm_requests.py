@@ -7,6 +7,7 @@ import threading
 from concurrent.futures import Future
 from dataclasses import replace
 
+from skyrl_trainer.backend.errors import InvalidRequestError
 from skyrl_trainer.backend.sampling.engine import (
     GeneratedSequence,
     GenerationRequest,
@@ -40,7 +41,9 @@ def to_vllm_sampling_params(request: GenerationRequest):
         stop=list(p.stop_strings),
         include_stop_str_in_output=True,
         detokenize=bool(p.stop_strings),
-        logprobs=0,  # the sampled token's log-prob, under the raw (temperature 1) distribution
+        # The sampled token's log-prob, under the raw (temperature 1) distribution, and the
+        # top-k at each generated position when asked.
+        logprobs=request.topk_sample_logprobs,
         prompt_logprobs=prompt_logprobs,
         output_kind=RequestOutputKind.FINAL_ONLY,
     )
@@ -54,32 +57,59 @@ def to_generation_result(request: GenerationRequest, output) -> GenerationResult
             raise RuntimeError(f"vLLM ended a sequence with {completion.finish_reason!r}")
         tokens = list(completion.token_ids)
         logprobs = [float(step[t].logprob) for step, t in zip(completion.logprobs, tokens)]
-        sequences.append(GeneratedSequence(tokens, logprobs, completion.finish_reason))
+        topk = None
+        if request.topk_sample_logprobs:
+            topk = [_ranked(step, request.topk_sample_logprobs) for step in completion.logprobs]
+        sequences.append(GeneratedSequence(tokens, logprobs, completion.finish_reason, topk))
     if request.params.temperature == 0:
         # Greedy decoding is deterministic: the samples are copies of the one computed.
         one = sequences[0]
-        sequences = [
-            GeneratedSequence(list(one.tokens), list(one.logprobs), one.stop_reason)
-            for _ in range(request.num_samples)
-        ]
+        sequences = [_copy(one) for _ in range(request.num_samples)]
     result = GenerationResult(sequences=sequences)
     if request.prompt_logprobs or request.topk_prompt_logprobs:
         prompt = request.prompt_ids
         steps = output.prompt_logprobs
-        result.prompt_logprobs = [None] + [
-            float(steps[i][prompt[i]].logprob) for i in range(1, len(prompt))
+        # vLLM scores every prompt position; prompt_logprobs_last_n reports only the last N.
+        first = request.first_scored_position()
+        result.prompt_logprobs = [None] * first + [
+            float(steps[i][prompt[i]].logprob) for i in range(first, len(prompt))
         ]
         if request.topk_prompt_logprobs:
             k = request.topk_prompt_logprobs
-            result.topk_prompt_logprobs = [None] + [
-                [
-                    (int(t), float(lp.logprob))
-                    for t, lp in sorted(steps[i].items(), key=lambda kv: kv[1].rank)
-                    if lp.rank <= k
-                ][:k]
-                for i in range(1, len(prompt))
+            result.topk_prompt_logprobs = [None] * first + [
+                _ranked(steps[i], k) for i in range(first, len(prompt))
             ]
     return result
+
+
+def _ranked(step: dict, k: int) -> list[tuple[int, float]]:
+    """The top-k (token, logprob) of one position's vLLM log-prob dict, most likely first (the
+    dict also holds the actual token, whatever its rank)."""
+    ranked = sorted(step.items(), key=lambda kv: kv[1].rank)
+    return [(int(t), float(lp.logprob)) for t, lp in ranked if lp.rank <= k][:k]
+
+
+def _copy(one: GeneratedSequence) -> GeneratedSequence:
+    topk = None if one.topk_logprobs is None else [list(c) for c in one.topk_logprobs]
+    return GeneratedSequence(list(one.tokens), list(one.logprobs), one.stop_reason, topk)
+
+
+def check_vllm_supports(request: GenerationRequest) -> None:
+    """Refuse the options vLLM cannot produce (its prompt log-probs are the prompt token's and
+    the top-k only; it draws nothing at prompt positions)."""
+    if request.target_prompt_logprobs is not None:
+        raise InvalidRequestError(
+            "target_prompt_logprobs",
+            "is not supported by the vLLM sampling engine (vLLM scores only the prompt's own "
+            "tokens and the top-k); use topk_prompt_logprobs, or the PyTorch engine "
+            "(backend.sampling.engine=torch)",
+        )
+    if request.prompt_alt_tokens_k:
+        raise InvalidRequestError(
+            "prompt_alt_tokens_k",
+            "is not supported by the vLLM sampling engine (vLLM draws no tokens at prompt "
+            "positions); use the PyTorch engine (backend.sampling.engine=torch)",
+        )
 
 
 def wants_prompt_logprobs(request: GenerationRequest) -> bool:
@@ -112,10 +142,7 @@ def combined_result(
         combined = results[0]
         combined.sequences = [seq for result in results for seq in result.sequences]
         while len(combined.sequences) < num_samples:  # greedy: copies of the one sequence
-            one = combined.sequences[0]
-            combined.sequences.append(
-                GeneratedSequence(list(one.tokens), list(one.logprobs), one.stop_reason)
-            )
+            combined.sequences.append(_copy(combined.sequences[0]))
         future.set_result(combined)
 
     for part in parts:
@@ -134,6 +161,7 @@ def split_by_sample(request: GenerationRequest) -> list[GenerationRequest]:
             params=replace(p, seed=child_seed(p.seed, i)),
             prompt_logprobs=request.prompt_logprobs and i == 0,
             topk_prompt_logprobs=request.topk_prompt_logprobs if i == 0 else 0,
+            prompt_logprobs_last_n=request.prompt_logprobs_last_n if i == 0 else None,
         )
         for i in range(request.num_samples)
     ]
