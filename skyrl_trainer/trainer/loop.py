@@ -81,7 +81,8 @@ class RLTrainer:
         metrics.update(train_metrics)
         if self._eval_due(step + 1):
             t0 = time.monotonic()
-            metrics.update(self.evaluate())
+            with self.source.exclusive():
+                metrics.update(self.evaluate())
             metrics["time/eval_s"] = time.monotonic() - t0
         metrics["time/step_s"] = elapsed = time.monotonic() - start
         if "train/tokens" in metrics:

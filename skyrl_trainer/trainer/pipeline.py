@@ -14,14 +14,15 @@ a stale trajectory is corrected by construction; `tis_cap` applies to it like to
 - `StreamingBatches` (streaming.py): groups enter training in the order they finish.
 
 Each source: `publish(version, sampler)` after every step, `next_batch(step)`,
-`checkpoint_state(steps_done)` -> (stream state, pending payload), `close()` (bounded time).
+`checkpoint_state(steps_done)` -> (stream state, pending payload), `exclusive()` (a context in
+which no batch is being sampled, for evaluation), `close()` (bounded time).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 from skyrl_trainer.trainer.collect import Batch, collect_batch
 from skyrl_trainer.trainer.rollouts import RolloutsStopped
@@ -90,6 +91,9 @@ class SynchronousBatches:
     def checkpoint_state(self, steps_done: int):
         return self.run.stream.state_dict(), None
 
+    def exclusive(self):
+        return nullcontext()
+
     def metrics(self, batch: Batch, step: int) -> dict[str, float]:
         return {}
 
@@ -113,6 +117,10 @@ class ScheduledBatches:
         }
         self._error: BaseException | None = None
         self._closed = False
+        # Held while a batch is sampled; evaluation takes it too, so that no batch is sampled
+        # alongside an evaluation's requests (the engine's float rounding depends on what shares
+        # its batch: with the lock, seeded runs reproduce with evaluation on).
+        self._engine_lock = threading.Lock()
         first = start_step + len(self._ready)
         self._thread = threading.Thread(
             target=self._produce, args=(first,), name="producer", daemon=True
@@ -138,7 +146,7 @@ class ScheduledBatches:
                     if self._closed:
                         return
                     sampler = self._samplers[v]
-                with self.idle.busy():
+                with self._engine_lock, self.idle.busy():
                     batch = collect_batch(self.run, sampler, t)
                 batch.stream_state = self.run.stream.state_dict()
                 stamp(batch.sampled, v)
@@ -182,6 +190,10 @@ class ScheduledBatches:
             batches = {t: self._ready[t] for t in wanted}
             stream = self._stream_after[max(wanted, default=steps_done - 1)]
         return stream, {"mode": "deterministic", "k": self.k, "batches": batches}
+
+    def exclusive(self):
+        """Hold the engine against the producer (for an evaluation)."""
+        return self._engine_lock
 
     def metrics(self, batch: Batch, step: int) -> dict[str, float]:
         return {**staleness_metrics(batch, step, self.k), "async/sampler_idle_s": self.idle.take()}

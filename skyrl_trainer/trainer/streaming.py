@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from contextlib import nullcontext
 
 from skyrl_trainer.trainer.advantages import is_zero_variance
 from skyrl_trainer.trainer.collect import Batch, sampling_params
@@ -180,6 +181,10 @@ class StreamingBatches:
                 "dropped_total": self.dropped_total,
             }
             return self.run.stream.state_dict(), payload
+
+    def exclusive(self):
+        """Streaming makes no promise of reproducibility: evaluation runs alongside."""
+        return nullcontext()
 
     def metrics(self, batch: Batch, step: int) -> dict[str, float]:
         with self._cond:

@@ -75,8 +75,10 @@ def test_deterministic_mode_samples_batch_t_with_weights_of_step_t_minus_k(
 def test_deterministic_mode_is_reproducible_and_resumes_exactly(
     tmp_path, tiny_model_dir, reward_module
 ):
-    def config(folder):
-        return async_config(folder, tiny_model_dir, reward_module, k=2, steps=5)
+    def config(folder):  # with evaluation, which never shares the engine with a batch
+        return async_config(
+            folder, tiny_model_dir, reward_module, k=2, steps=5, **{"eval.every": 2}
+        )
 
     straight = RLTrainer(config(tmp_path / "a"), make_service(tmp_path / "a")).run()
     again = RLTrainer(config(tmp_path / "c"), make_service(tmp_path / "c")).run()
