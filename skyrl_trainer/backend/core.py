@@ -12,12 +12,13 @@ Every request method returns a `concurrent.futures.Future` at once; errors arriv
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -31,7 +32,7 @@ from skyrl_trainer.backend.checkpoints import CheckpointMetadata, CheckpointStor
 from skyrl_trainer.backend.config import BackendConfig
 from skyrl_trainer.backend.datums import to_training_examples
 from skyrl_trainer.backend.errors import InvalidRequestError, NotFoundError
-from skyrl_trainer.backend.futures import failed, mapped
+from skyrl_trainer.backend.futures import failed
 from skyrl_trainer.backend.losses import get_loss, resolve_loss_config
 from skyrl_trainer.backend.optimizer import validate_adam_params
 from skyrl_trainer.backend.sample_requests import to_generation_request, to_sample_response
@@ -69,6 +70,32 @@ class _Session:
     user_metadata: dict[str, str] | None
     model_seq: itertools.count = field(default_factory=itertools.count)
     end_status: str | None = None  # set by close_session
+
+
+RECORD_STABILITY_INFO_REFUSAL = (
+    "is not supported by this backend: stability records exist only for the stable_reinforce "
+    "loss, which it does not implement; create the sampling client with "
+    "record_stability_info=False (the default)"
+)
+PROVENANCE_REFUSAL = (
+    "provenance spans (Datum.with_provenance) are not supported by this backend: they point "
+    "the stable_reinforce loss at server-side stability records, and it implements neither; "
+    "send the datum without provenance"
+)
+
+
+def check_record_stability_info(record_stability_info: bool | None) -> None:
+    """Refuse `record_stability_info=True`: nothing here would ever read the records."""
+    if record_stability_info:
+        raise InvalidRequestError("record_stability_info", RECORD_STABILITY_INFO_REFUSAL)
+
+
+def check_no_provenance(data: Sequence[types.Datum]) -> None:
+    """Refuse datums carrying provenance spans (they would be silently ignored)."""
+    for i, datum in enumerate(data):
+        for name in ("model_input_spans", "loss_fn_input_spans"):
+            if getattr(datum, name, None):
+                raise InvalidRequestError(f"data[{i}].{name}", PROVENANCE_REFUSAL)
 
 
 def _output(logprobs: list[torch.Tensor], metrics: dict[str, float]) -> types.ForwardBackwardOutput:
@@ -125,6 +152,11 @@ class BackendCore:
         if record is None:
             raise NotFoundError("model_id", f"unknown model '{model_id}'")
         return record
+
+    def model_dir(self, base_model: str) -> Path:
+        """The local folder `base_model` loads from (for the server's tokenizer files route;
+        never sent to a client)."""
+        return self._model_dir(self.base_models.resolve(base_model))
 
     def _model_dir(self, base_model: str) -> Path:
         """The folder of a known base model (a name from `base_models.resolve`)."""
@@ -263,6 +295,10 @@ class BackendCore:
     ) -> Future[types.ForwardBackwardOutput]:
         """Per-token log-probs and the summed loss (`loss:sum`); unless `forward_only`,
         the loss's gradients are added to the model's accumulated gradients."""
+        try:
+            check_no_provenance(data)
+        except InvalidRequestError as exc:
+            return failed(exc)
 
         def job(record: ModelRecord, group: TrainingWorkerGroup) -> types.ForwardBackwardOutput:
             self.samplers.before_training(record.base_model)  # colocated engines sleep
@@ -287,6 +323,10 @@ class BackendCore:
         custom loss's gradient). Metrics: the user's plus `loss:sum` (the custom loss) and
         `surrogate_loss:sum`.
         """
+        try:
+            check_no_provenance(data)
+        except InvalidRequestError as exc:
+            return failed(exc)
 
         def job(record: ModelRecord, group: TrainingWorkerGroup) -> types.ForwardBackwardOutput:
             self.samplers.before_training(record.base_model)  # colocated engines sleep
@@ -487,13 +527,22 @@ class BackendCore:
     def create_sampling_session(
         self, model_path: str | None = None, base_model: str | None = None
     ) -> str:
-        """A sampler on a saved checkpoint (`model_path`) or on a base model's weights."""
-        if (model_path is None) == (base_model is None):
-            raise InvalidRequestError("model_path", "pass exactly one of model_path or base_model")
-        if base_model is not None:
+        """A sampler on a saved checkpoint (`model_path`) or on a base model's weights.
+
+        Both may be given (the Tinker SDK sends both when the caller names both): the
+        checkpoint is sampled, and `base_model` must be the base model it was trained on."""
+        if model_path is None and base_model is None:
+            raise InvalidRequestError("model_path", "pass model_path or base_model")
+        if model_path is None:
             return self.samplers.bind_base(self.base_models.resolve(base_model))
         folder, metadata = self.store.resolve(model_path, field="model_path")
         base = self.base_models.resolve(metadata.base_model, field="model_path")
+        if base_model is not None and self.base_models.resolve(base_model) != base:
+            raise InvalidRequestError(
+                "base_model",
+                f"is {base_model!r}, but the checkpoint at model_path {model_path!r} was trained "
+                f"on {base!r}; give model_path alone, or with base_model={base!r}",
+            )
         if metadata.is_lora:
             return self.samplers.bind_lora(model_path, base, folder, model_path)
         return self.samplers.bind_full_folder(model_path, base, folder, metadata.created_at)
@@ -532,7 +581,12 @@ class BackendCore:
         except InvalidRequestError as exc:
             return failed(exc)
         prefix = f"{sampler_id}:{next(self._sample_seq)}"
-        return mapped(result, lambda r: to_sample_response(r, prefix, topk_prompt_logprobs))
+        stop = getattr(engine, "cancel", None)  # an engine that can stop running requests
+        return _SampleFuture(
+            result,
+            lambda r: to_sample_response(r, prefix, topk_prompt_logprobs),
+            (lambda: stop(result)) if stop is not None else result.cancel,
+        )
 
     def shutdown(self) -> None:
         for slot in list(self._bases.values()):
@@ -540,6 +594,36 @@ class BackendCore:
             if slot.group is not None:
                 slot.group.shutdown()  # a Ray group kills its actors
         self.samplers.shutdown()
+
+
+class _SampleFuture(Future):
+    """The future `BackendCore.sample` returns: `convert` of the engine's result. `cancel()`
+    (while unfinished) also calls `stop`, which frees the request's place in the engine: a
+    queued request is dropped, and an engine with a `cancel` method drops running rows too."""
+
+    def __init__(self, engine_future: Future, convert: Callable[[Any], Any], stop: Callable):
+        super().__init__()
+        self._stop = stop
+        engine_future.add_done_callback(lambda done: self._engine_done(done, convert))
+
+    def _engine_done(self, done: Future, convert: Callable[[Any], Any]) -> None:
+        if self.done():
+            return  # cancelled first
+        try:
+            value, error = convert(done.result()), None
+        except BaseException as exc:
+            value, error = None, exc
+        with contextlib.suppress(InvalidStateError):  # a cancel() raced us
+            if error is None:
+                self.set_result(value)
+            else:
+                self.set_exception(error)
+
+    def cancel(self) -> bool:
+        if not super().cancel():
+            return False
+        self._stop()
+        return True
 
 
 def _checkpoint_metadata(

@@ -22,6 +22,7 @@ from skyrl_trainer.server import (
     checkpoint_routes,
     sampling_routes,
     service_routes,
+    tokenizer_routes,
     training_routes,
 )
 from skyrl_trainer.server.config import ServerConfig
@@ -103,6 +104,7 @@ def create_app(config: ServerConfig, core: BackendCore | None = None) -> FastAPI
 
     app = FastAPI(title="skyrl-trainer Tinker-compatible server", lifespan=lifespan)
     install_error_handlers(app)
-    for module in (service_routes, training_routes, sampling_routes, checkpoint_routes):
+    routes = (service_routes, training_routes, sampling_routes, checkpoint_routes, tokenizer_routes)
+    for module in routes:
         app.include_router(module.router)
     return app

@@ -46,8 +46,20 @@ def _checkpoint(row: dict) -> types.Checkpoint:
     )
 
 
-def _training_run(state: ServerState, row: dict) -> types.TrainingRun:
-    checkpoints = [_checkpoint(c) for c in state.db.run_checkpoints(row["model_id"])]
+def access_scope(access_scope: str = "owned") -> str:
+    """The SDK's `access_scope` query parameter: "owned" (the caller's own), or "accessible"
+    (also what others published: training runs with a published checkpoint)."""
+    if access_scope not in ("owned", "accessible"):
+        raise ApiError(400, "access_scope", f"{access_scope!r} is not 'owned' or 'accessible'")
+    return access_scope
+
+
+def _training_run(state: ServerState, row: dict, owner: str | None = None) -> types.TrainingRun:
+    """The run as `owner` sees it: another owner's run shows only its published checkpoints."""
+    rows = state.db.run_checkpoints(row["model_id"])
+    if owner is not None and row["owner"] != owner:
+        rows = [c for c in rows if c["public"]]
+    checkpoints = [_checkpoint(c) for c in rows]
     latest = {c.checkpoint_type: c for c in checkpoints}  # ordered by time: last wins
     return types.TrainingRun(
         training_run_id=row["model_id"],
@@ -61,9 +73,12 @@ def _training_run(state: ServerState, row: dict) -> types.TrainingRun:
     )
 
 
-def _run(state: ServerState, owner: str, run_id: str) -> dict:
+def _run(state: ServerState, owner: str, run_id: str, scope: str = "owned") -> dict:
     row = state.db.model(run_id)
-    if row is None or row["owner"] != owner:
+    visible = row is not None and (
+        row["owner"] == owner or (scope == "accessible" and state.db.run_is_published(run_id))
+    )
+    if not visible:
         raise ApiError(404, "training_run_id", f"unknown training run '{run_id}'")
     return row
 
@@ -84,21 +99,30 @@ def _page(limit: int, offset: int) -> None:
 
 @router.get("/training_runs")
 async def list_training_runs(
-    request: Request, limit: int = 20, offset: int = 0, owner: str = Depends(authenticate)
+    request: Request,
+    limit: int = 20,
+    offset: int = 0,
+    scope: str = Depends(access_scope),
+    owner: str = Depends(authenticate),
 ):
     _page(limit, offset)
     state = _state(request)
-    rows, total = state.db.models(owner, limit, offset)
+    rows, total = state.db.models(owner, limit, offset, published=scope == "accessible")
     return types.TrainingRunsResponse(
-        training_runs=[_training_run(state, r) for r in rows],
+        training_runs=[_training_run(state, r, owner) for r in rows],
         cursor=types.Cursor(offset=offset, limit=limit, total_count=total),
     ).model_dump(mode="json")
 
 
 @router.get("/training_runs/{run_id}")
-async def get_training_run(run_id: str, request: Request, owner: str = Depends(authenticate)):
+async def get_training_run(
+    run_id: str,
+    request: Request,
+    scope: str = Depends(access_scope),
+    owner: str = Depends(authenticate),
+):
     state = _state(request)
-    return _training_run(state, _run(state, owner, run_id)).model_dump(mode="json")
+    return _training_run(state, _run(state, owner, run_id, scope), owner).model_dump(mode="json")
 
 
 @router.get("/training_runs/{run_id}/checkpoints")
@@ -121,6 +145,19 @@ async def list_user_checkpoints(
         checkpoints=[_checkpoint(r) for r in rows],
         cursor=types.Cursor(offset=offset, limit=limit, total_count=total),
     ).model_dump(mode="json")
+
+
+@router.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
+async def get_external_weights_urls(
+    run_id: str, checkpoint_id: str, request: Request, owner: str = Depends(authenticate)
+):
+    raise ApiError(
+        400,
+        "checkpoint_id",
+        "external weights checkpoints (save_weights_external) are not supported by this "
+        "server, so it has no download URLs; sample a saved sampler checkpoint with "
+        "create_sampling_client(model_path=...)",
+    )
 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")

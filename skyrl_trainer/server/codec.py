@@ -11,13 +11,14 @@ client got wrong raises `InvalidRequestError` naming the field, e.g.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import zstandard
 from google.protobuf.message import DecodeError
 from tinker import types
 from tinker.proto import tinker_public_pb2 as public_pb
+from tinker.types.provenance_spans import PromptProvenanceSpan, SampledProvenanceSpan
 from tinker.types.topk_logprobs import MASK_LOGPROB, TopkLogprobs
 
 from skyrl_trainer.backend.errors import InvalidRequestError
@@ -96,7 +97,8 @@ def decode_forward_backward_request(body: bytes) -> ForwardBackwardCall:
     """Parse a protobuf `ForwardBackwardRequest` (already decompressed) into Tinker types.
 
     Datums hold one `EncodedTextChunk` per wire chunk and dense `TensorData` (float32/int64;
-    sparse CSR tensors are densified with 0 in unlisted cells). Provenance spans are dropped.
+    sparse CSR tensors are densified with 0 in unlisted cells). Provenance spans are decoded
+    (the backend refuses them, naming the field).
     `loss_fn_config` comes from `loss_fn_config_v2` when set, else the legacy float map, else
     None. Malformed input raises `InvalidRequestError` naming the field.
     """
@@ -143,7 +145,30 @@ def _datum(msg: public_pb.Datum, field: str) -> types.Datum:
     inputs = {
         name: _tensor(t, f"{field}.loss_fn_inputs.{name}") for name, t in msg.loss_fn_inputs.items()
     }
-    return types.Datum(model_input=types.ModelInput(chunks=chunks), loss_fn_inputs=inputs)
+    datum = types.Datum(model_input=types.ModelInput(chunks=chunks), loss_fn_inputs=inputs)
+    if len(msg.model_input_spans) or len(msg.loss_fn_input_spans):
+        # Decoded, not dropped: the backend refuses them by name (core.check_no_provenance).
+        datum = replace(
+            datum,
+            model_input_spans=_spans(msg.model_input_spans, f"{field}.model_input_spans"),
+            loss_fn_input_spans=_spans(msg.loss_fn_input_spans, f"{field}.loss_fn_input_spans"),
+        )
+    return datum
+
+
+def _spans(msgs, field: str) -> list[PromptProvenanceSpan | SampledProvenanceSpan]:
+    spans = []
+    for i, msg in enumerate(msgs):
+        arm = msg.WhichOneof("span")
+        if arm is None:
+            raise InvalidRequestError(f"{field}[{i}]", "names neither prompt nor sampled tokens")
+        kind = PromptProvenanceSpan if arm == "prompt_tokens" else SampledProvenanceSpan
+        run = getattr(msg, arm)
+        try:
+            spans.append(kind(sequence_id=run.sequence_id, offset=run.offset, length=run.length))
+        except ValueError as exc:
+            raise InvalidRequestError(f"{field}[{i}]", str(exc)) from None
+    return spans
 
 
 def _array(raw: bytes, dtype: np.dtype, field: str) -> np.ndarray:

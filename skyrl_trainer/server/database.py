@@ -123,6 +123,19 @@ class ServerDatabase:
             (owner, limit, offset),
         )
 
+    def session_summaries(self, owner: str) -> list[dict]:
+        """The owner's sessions, newest first (ties by session id, descending), each with
+        `checkpoints_count` and `checkpoint_bytes` over its models' checkpoints."""
+        return self._all(
+            "SELECT s.*, COUNT(c.tinker_path) AS checkpoints_count, "
+            "SUM(c.size_bytes) AS checkpoint_bytes FROM sessions s "
+            "LEFT JOIN models m ON m.session_id = s.session_id "
+            "LEFT JOIN checkpoints c ON c.run_id = m.model_id "
+            "WHERE s.owner = ? GROUP BY s.session_id "
+            "ORDER BY s.created DESC, s.session_id DESC",
+            (owner,),
+        )
+
     def touch_session(self, session_id: str) -> None:
         with self._writing() as db:
             db.execute(
@@ -162,13 +175,27 @@ class ServerDatabase:
     def model(self, model_id: str) -> dict | None:
         return self._one("SELECT * FROM models WHERE model_id = ?", (model_id,))
 
-    def models(self, owner: str, limit: int, offset: int) -> tuple[list[dict], int]:
+    def models(
+        self, owner: str, limit: int, offset: int, published: bool = False
+    ) -> tuple[list[dict], int]:
+        """The owner's models; with `published`, also every model with a published
+        checkpoint."""
+        where = "owner = ?"
+        if published:
+            where += " OR model_id IN (SELECT run_id FROM checkpoints WHERE public = 1)"
         rows = self._all(
-            "SELECT * FROM models WHERE owner = ? ORDER BY created DESC LIMIT ? OFFSET ?",
+            f"SELECT * FROM models WHERE {where} ORDER BY created DESC LIMIT ? OFFSET ?",
             (owner, limit, offset),
         )
-        total = self._one("SELECT COUNT(*) AS n FROM models WHERE owner = ?", (owner,))
+        total = self._one(f"SELECT COUNT(*) AS n FROM models WHERE {where}", (owner,))
         return rows, total["n"] if total else 0
+
+    def run_is_published(self, model_id: str) -> bool:
+        """Whether any checkpoint of the model is published."""
+        row = self._one(
+            "SELECT 1 AS yes FROM checkpoints WHERE run_id = ? AND public = 1 LIMIT 1", (model_id,)
+        )
+        return row is not None
 
     def session_models(self, session_id: str) -> list[str]:
         rows = self._all("SELECT model_id FROM models WHERE session_id = ?", (session_id,))

@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import uuid
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from typing import Any
 
 from skyrl_trainer.backend.errors import InvalidRequestError
@@ -24,6 +25,9 @@ logger = logging.getLogger(__name__)
 JSON = "application/json"
 PROTOBUF = "application/x-protobuf"
 Encoder = Callable[[Any], tuple[str, bytes]]
+CANCELLED = json.dumps(
+    {"error": "the request was cancelled (cancel_future) before it finished", "category": "user"}
+).encode()
 
 
 def json_result(value: Any) -> tuple[str, bytes]:
@@ -55,6 +59,8 @@ class FutureTracker:
         self.loop = loop
         self.redact = redact
         self._events: dict[str, asyncio.Event] = {}
+        self._running: dict[str, Future] = {}  # attached backend futures not yet finished
+        self._running_lock = threading.Lock()
 
     def register(self, owner: str, request_type: str, model_id: str | None = None) -> str:
         request_id = uuid.uuid4().hex
@@ -63,16 +69,30 @@ class FutureTracker:
 
     def attach(self, request_id: str, future: Future, encode: Encoder) -> None:
         """Store `future`'s outcome under `request_id` when it finishes."""
+        with self._running_lock:
+            self._running[request_id] = future
         future.add_done_callback(lambda done: self._finish(request_id, done, encode))
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel the backend work of an unfinished request (its `Future.cancel()`; a sample's
+        also stops the engine's work). The request then fails with a 'cancelled' error.
+        False when it had finished, or its work can no longer be cancelled."""
+        with self._running_lock:
+            future = self._running.get(request_id)
+        return future is not None and future.cancel()
 
     def fail(self, request_id: str, exc: BaseException) -> None:
         self.db.finish_future(request_id, FAILED, JSON, error_payload(exc, self.redact))
         self.loop.call_soon_threadsafe(self._wake, request_id)
 
     def _finish(self, request_id: str, done: Future, encode: Encoder) -> None:
+        with self._running_lock:
+            self._running.pop(request_id, None)
         try:
             content_type, payload = encode(done.result())
             status = COMPLETE
+        except CancelledError:
+            content_type, payload, status = JSON, CANCELLED, FAILED
         except BaseException as exc:
             if not isinstance(exc, InvalidRequestError):
                 logger.exception("request %s failed", request_id)

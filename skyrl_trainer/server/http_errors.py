@@ -81,7 +81,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException):
         refused(request, exc.status_code)
-        if exc.status_code == 404:
+        if exc.status_code in (404, 405):  # no such route, or not with this method
             message = f"{request.method} {request.url.path} is not supported by this server"
         else:
             message = str(exc.detail)

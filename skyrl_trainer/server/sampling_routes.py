@@ -7,6 +7,7 @@ import asyncio
 from fastapi import APIRouter, Depends, Request
 from tinker import types
 
+from skyrl_trainer.backend.core import check_record_stability_info
 from skyrl_trainer.server.auth import authenticate
 from skyrl_trainer.server.codec import encode_sample_response
 from skyrl_trainer.server.future_tracker import PROTOBUF
@@ -50,8 +51,6 @@ async def create_sampling_session(request: Request, owner: str = Depends(authent
     state = _state(request)
     body = await state.parse(request, types.CreateSamplingSessionRequest)
     state.session(owner, body.session_id)
-    if body.model_path is not None and body.base_model is not None:
-        raise ApiError(400, "model_path", "give model_path or base_model, not both")
     sampler_id = await _new_sampler(state, owner, body.session_id, body.model_path, body.base_model)
     return types.CreateSamplingSessionResponse(sampling_session_id=sampler_id).model_dump()
 
@@ -71,6 +70,7 @@ async def asample(request: Request, owner: str = Depends(authenticate)):
     for option, off in _UNSUPPORTED_SAMPLE_OPTIONS.items():
         if getattr(body, option) != off:
             raise ApiError(400, option, "is not supported by this server")
+    check_record_stability_info(body.record_stability_info)
     limits = state.config.limits
     if not 1 <= body.num_samples <= limits.max_num_samples:
         raise ApiError(400, "num_samples", f"must be between 1 and {limits.max_num_samples}")

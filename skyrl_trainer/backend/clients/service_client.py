@@ -26,7 +26,7 @@ from skyrl_trainer.backend.clients.futures import (
 from skyrl_trainer.backend.clients.sampling_client import SamplingClient
 from skyrl_trainer.backend.clients.training_client import TrainingClient
 from skyrl_trainer.backend.config import BackendConfig
-from skyrl_trainer.backend.core import BackendCore
+from skyrl_trainer.backend.core import BackendCore, check_record_stability_info
 from skyrl_trainer.backend.errors import InvalidRequestError
 
 
@@ -150,16 +150,17 @@ class ServiceClient:
         record_stability_info: bool = False,
     ) -> ClientFuture[SamplingClient]:
         """A sampling client on a saved checkpoint (`model_path`, tinker://...) or on the
-        base weights of `base_model`."""
-        return ClientFuture(
-            run_now(
-                lambda: SamplingClient(
-                    self.core,
-                    self.core.create_sampling_session(model_path=model_path, base_model=base_model),
-                    model_path,
-                ),
+        base weights of `base_model` (both: the checkpoint, which must be of that base).
+        `record_stability_info=True` is refused (no stable_reinforce here)."""
+
+        def create() -> SamplingClient:
+            check_record_stability_info(record_stability_info)
+            sampler_id = self.core.create_sampling_session(
+                model_path=model_path, base_model=base_model
             )
-        )
+            return SamplingClient(self.core, sampler_id, model_path)
+
+        return ClientFuture(run_now(create))
 
     async def create_sampling_client_async(self, *args, **kwargs) -> SamplingClient:
         return await self.create_sampling_client(*args, **kwargs)

@@ -16,7 +16,7 @@ from tinker.lib.public_interfaces.api_future import APIFuture
 
 from skyrl_trainer.backend.clients.futures import ClientFuture, api_future, failed, mapped, run_now
 from skyrl_trainer.backend.clients.sampling_client import SamplingClient
-from skyrl_trainer.backend.core import CustomLossFn
+from skyrl_trainer.backend.core import CustomLossFn, check_record_stability_info
 from skyrl_trainer.backend.errors import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -190,32 +190,45 @@ class TrainingClient:
         return self.save_weights_for_sampler(name, ttl_seconds, user_metadata)
 
     def save_weights_and_get_sampling_client(
-        self, name: str | None = None, retry_config: Any = None, **_: Any
+        self,
+        name: str | None = None,
+        retry_config: Any = None,
+        record_stability_info: bool = False,
+        kind: str = "snapshot",
     ) -> ClientFuture[SamplingClient]:
         """A sampling client on exactly the current weights, synced in memory (no disk unless
-        `name` is given, which also saves a sampler checkpoint)."""
+        `name` is given, which also saves a sampler checkpoint). Only `kind="snapshot"`;
+        `record_stability_info=True` is refused (no stable_reinforce here)."""
+        try:
+            check_record_stability_info(record_stability_info)
+            if kind != "snapshot":
+                raise InvalidRequestError(
+                    "kind", f"{kind!r} sampling clients are not supported; use 'snapshot'"
+                )
+        except InvalidRequestError as exc:
+            return ClientFuture(failed(exc))
         saved = self._core.save_weights_for_sampler(self.model_id, name)
         return ClientFuture(
             mapped(saved, lambda r: SamplingClient(self._core, sampler_id=r[1], model_path=r[0]))
         )
 
-    async def save_weights_and_get_sampling_client_async(self, name=None, retry_config=None):
-        return await self.save_weights_and_get_sampling_client(name, retry_config)
+    async def save_weights_and_get_sampling_client_async(self, *args, **kwargs):
+        return await self.save_weights_and_get_sampling_client(*args, **kwargs)
 
-    def create_sampling_client(self, model_path: str, retry_config: Any = None) -> ClientFuture:
+    def create_sampling_client(
+        self, model_path: str, retry_config: Any = None, record_stability_info: bool = False
+    ) -> ClientFuture:
         """A sampling client on a saved checkpoint (same as `ServiceClient`'s)."""
-        return ClientFuture(
-            run_now(
-                lambda: SamplingClient(
-                    self._core,
-                    self._core.create_sampling_session(model_path=model_path),
-                    model_path,
-                ),
-            )
-        )
 
-    async def create_sampling_client_async(self, model_path, retry_config=None):
-        return await self.create_sampling_client(model_path, retry_config)
+        def create() -> SamplingClient:
+            check_record_stability_info(record_stability_info)
+            sampler_id = self._core.create_sampling_session(model_path=model_path)
+            return SamplingClient(self._core, sampler_id, model_path)
+
+        return ClientFuture(run_now(create))
+
+    async def create_sampling_client_async(self, *args, **kwargs):
+        return await self.create_sampling_client(*args, **kwargs)
 
     # ----- info ---------------------------------------------------------------------------
 

@@ -34,7 +34,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from pathlib import Path
 
 import torch
@@ -124,6 +124,7 @@ class TorchSamplingEngine:
         self.vocab_size = self.runner.vocab_size
         self._groups: dict[str | None, RowGroup] = {}
         self._queue: deque[Pending | EngineControl] = deque()
+        self._cancelled: set[Future] = set()  # running requests to stop (`cancel`)
         self._cond = threading.Condition()
         self._stopping = False
         self._busy_since: float | None = None
@@ -169,6 +170,21 @@ class TorchSamplingEngine:
         self, session: str | None, request: GenerationRequest
     ) -> Future[GenerationResult]:
         return self.generate(request)  # one engine: nothing to route
+
+    def cancel(self, future: Future[GenerationResult]) -> bool:
+        """Stop the request `future` (from `generate`) stands for: a queued request leaves the
+        queue, a running one's rows leave the batch before the next decode step; the future
+        ends cancelled (or with `CancelledError`). False if it had already finished."""
+        with self._cond:
+            for item in self._queue:
+                if isinstance(item, Pending) and item.future is future:
+                    self._queue.remove(item)
+                    return future.cancel()
+            if future.done():
+                return False
+            self._cancelled.add(future)
+            self._cond.notify()
+        return True
 
     def update_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
         plan = self.weights.plan(named_tensors)  # refuses bad names/shapes before any change
@@ -234,6 +250,7 @@ class TorchSamplingEngine:
                         self._busy_since = time.perf_counter()
                         self._busy_start_stats = EngineStats(**vars(self.stats))
                     self._process(items)
+                    self._drop_cancelled()
                     for group in list(self._groups.values()):
                         self._guarded(group, self.runner.decode)
                     self._note_progress()
@@ -242,6 +259,24 @@ class TorchSamplingEngine:
             raise
         finally:
             self._fail_all(RuntimeError("the sampling engine is shut down"))
+
+    def _drop_cancelled(self) -> None:
+        """Rows of requests cancelled while running leave the batch (and their KV slots)."""
+        with self._cond:
+            if not self._cancelled:
+                return
+            cancelled, self._cancelled = self._cancelled, set()
+        for group in list(self._groups.values()):
+            drop = [i for i, row in enumerate(group.rows) if row.pending.future in cancelled]
+            if not drop:
+                continue
+            for i in drop:
+                fail(group.rows[i].pending, CancelledError("cancelled"), self.stats)
+            order = group.cache.remove_rows(drop)
+            group.rows = [group.rows[j] for j in order]
+            group.settings = None
+            if not group.rows:
+                self._groups.pop(group.adapter, None)
 
     def _forget_prefixes(self, adapter: str | None, everything: bool = False) -> None:
         """Weights are about to change: drop the stored KV computed with them."""

@@ -1,0 +1,478 @@
+"""Issue 17, the server part: what the official SDK 0.38 sends is either honoured or refused by
+name, never silently ignored.
+
+- create_sampling_client(model_path=..., base_model=...) with both (the SDK sends both);
+- get_tokenizer() from a machine that has neither the server's folders nor the Hub, and no
+  server path in any response;
+- the SDK's sampling cancellation (dynamic config + cancel_future) frees the engine;
+- record_stability_info, provenance spans and access_scope;
+- every unsupported route answers with a JSON refusal (no bare 405); search_sessions works.
+
+One server runs inside this process (uvicorn on a thread, tiny model, PyTorch engine), so the
+tests can look at its engine; it serves the tiny model folder twice, as its folder name and as
+"other", so that a checkpoint's base model and another served model can disagree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import httpx
+import pytest
+import tinker
+import uvicorn
+from tinker import types
+
+from skyrl_trainer.backend.config import BackendConfig, SamplingConfig, TrainingConfig
+from skyrl_trainer.backend.core import BackendCore
+from skyrl_trainer.connect import install_tokenizer
+from skyrl_trainer.server.app import create_app
+from skyrl_trainer.server.config import ServerConfig
+from tests.server.conftest import API_KEY, free_port
+
+PROMPT = [1, 504, 3300, 314, 253, 1789, 30]
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+    pytest.mark.usefixtures("one_torch_thread"),
+]
+
+
+def wait_until(condition, timeout: float = 10.0) -> bool:
+    """Whether `condition()` holds within `timeout` s (a finished request's rows leave the
+    batch just after its result is set)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+class InProcessServer:
+    def __init__(self, tiny_model_dir: Path, storage: Path):
+        backend = BackendConfig(
+            base_models=[str(tiny_model_dir), f"other={tiny_model_dir}"],
+            storage_dir=str(storage),
+            training=TrainingConfig(dtype="float32", device="cpu"),
+            # One row at a time: a request waits until the one before leaves the engine.
+            sampling=SamplingConfig(engine="torch", dtype="float32", device="cpu",
+                                    max_batch_size=1, prefix_cache_tokens=0),
+        )  # fmt: skip
+        self.model_dir = tiny_model_dir
+        self.storage = storage
+        self.core = BackendCore(backend, served_only=True)
+        self.port = free_port()
+        self.app = create_app(ServerConfig(port=self.port, backend=backend), self.core)
+        self.server = uvicorn.Server(
+            uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
+        )
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def state(self):
+        return self.app.state.server
+
+    def start(self) -> InProcessServer:
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the in-process server did not start"
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.core.shutdown()
+
+    def service_client(self) -> tinker.ServiceClient:
+        return tinker.ServiceClient(base_url=self.base_url, api_key=API_KEY)
+
+    def http(self, method: str, path: str, **kwargs) -> httpx.Response:
+        headers = {"X-API-Key": API_KEY}
+        return httpx.request(method, f"{self.base_url}/api/v1{path}", headers=headers, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    live = InProcessServer(tiny_model_dir, tmp_path_factory.mktemp("coverage") / "storage")
+    yield live.start()
+    live.stop()
+
+
+@pytest.fixture(scope="module")
+def trained(server):
+    """A LoRA model with a sampler checkpoint, shared by the tests below."""
+    service = server.service_client()
+    tc = service.create_lora_training_client(str(server.model_dir), rank=4, seed=7).result()
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(PROMPT[:-1]),
+        loss_fn_inputs={"target_tokens": PROMPT[1:], "weights": [1.0] * (len(PROMPT) - 1)},
+    )
+    tc.forward_backward([datum], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    path = tc.save_weights_for_sampler("coverage").result().path
+    return service, tc, path, datum
+
+
+# ------------------------------------------------------------ 1. model_path and base_model
+
+
+def test_sampling_client_with_model_path_and_its_base_model(server, trained):
+    service, tc, path, _ = trained
+    alone = service.create_sampling_client(model_path=path).result()
+    both = service.create_sampling_client(model_path=path, base_model=server.model_dir.name)
+    both = both.result()
+    prompt = types.ModelInput.from_ints(PROMPT)
+    expected = alone.compute_logprobs(prompt).result()
+    assert both.compute_logprobs(prompt).result() == expected  # the checkpoint's weights
+    base = service.create_sampling_client(base_model=server.model_dir.name).result()
+    assert base.compute_logprobs(prompt).result() != expected
+    # the checkpoint's base named by another of its aliases (the folder path) also agrees
+    service.create_sampling_client(model_path=path, base_model=str(server.model_dir)).result()
+
+
+def test_sampling_client_with_a_base_model_the_checkpoint_is_not_of(server, trained):
+    service, _, path, _ = trained
+    with pytest.raises(tinker.APIStatusError) as caught:
+        service.create_sampling_client(model_path=path, base_model="other").result()
+    message = str(caught.value)
+    assert caught.value.status_code == 400
+    assert "base_model" in message and "model_path" in message and "'other'" in message
+    assert server.model_dir.name in message  # what the checkpoint was trained on
+
+
+# ------------------------------------------------------------------------ 3. tokenizer
+
+
+@pytest.fixture
+def recorded_responses(monkeypatch):
+    """Every HTTP response the SDK receives in this test (its transports all go through
+    httpx.AsyncClient.send), body read in full."""
+    seen: list[tuple[str, bytes]] = []
+    send = httpx.AsyncClient.send
+
+    async def recording_send(self, request, *args, **kwargs):
+        response = await send(self, request, *args, **kwargs)
+        await response.aread()
+        seen.append((str(request.url), response.content))
+        return response
+
+    monkeypatch.setattr(httpx.AsyncClient, "send", recording_send)
+    return seen
+
+
+def test_no_response_names_a_server_path(server, tiny_model_dir, recorded_responses):
+    service = server.service_client()
+    tc = service.create_lora_training_client(str(tiny_model_dir), rank=4, seed=1).result()
+    info = tc.get_info()
+    path = tc.save_state("no-paths").result().path
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    sampler.sample(types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(max_tokens=2))
+    rest = service.create_rest_client()
+    rest.get_server_capabilities().result()
+    rest.get_training_run(tc.model_id).result()
+    rest.list_checkpoints(tc.model_id).result()
+    rest.get_weights_info_by_tinker_path(path).result()
+    rest.get_sampler(sampler._sampling_session_id).result()
+    rest.get_session(service.holder.get_session_id()).result()
+    with pytest.raises(tinker.APIStatusError):  # an error that involves the folder
+        service.create_sampling_client(base_model=str(tiny_model_dir / "nope")).result()
+    tokenizer_answer = server.http("GET", "/tokenizer", params={"base_model": info.model_name})
+    assert tokenizer_answer.status_code == 200
+    files = tokenizer_answer.json()["files"]
+    bodies = [body for _, body in recorded_responses] + [tokenizer_answer.content]
+    bodies += [base64.b64decode(data) for data in files.values()]
+    assert len(recorded_responses) > 10
+    forbidden = {str(tiny_model_dir), str(tiny_model_dir.parent), str(server.storage)}
+    for body in bodies:
+        for text in forbidden:
+            assert text.encode() not in body, f"a response names {text}"
+    # the model is named by its public name, and so is its tokenizer
+    assert info.model_data.tokenizer_id == info.model_name == tiny_model_dir.name
+
+
+def test_remote_client_builds_the_tokenizer(server, tiny_model_dir, tmp_path, monkeypatch):
+    """A client on another machine: no model folder, an empty hub cache, no network."""
+    from huggingface_hub import constants
+    from tinker.lib.public_interfaces.sampling_client import _load_tokenizer_from_model_info
+
+    from skyrl_trainer.backend.model_loading import load_tokenizer
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(tmp_path)  # no folder named like the model here
+    _load_tokenizer_from_model_info.cache_clear()
+    service = server.service_client()
+    tc = service.create_lora_training_client(tiny_model_dir.name, rank=4, seed=2).result()
+    sampler = service.create_sampling_client(base_model=tiny_model_dir.name).result()
+    with pytest.raises((OSError, ValueError)):
+        tc.get_tokenizer()  # nothing to load it from yet
+    _load_tokenizer_from_model_info.cache_clear()
+
+    tokenizer_id = install_tokenizer(server.base_url, API_KEY, tc.get_info().model_name)
+
+    assert tokenizer_id == tc.get_info().model_data.tokenizer_id
+    expected = load_tokenizer(tiny_model_dir)
+    text = "Hello world, <|im_start|>user"
+    for client in (tc, sampler):
+        tokenizer = client.get_tokenizer()
+        assert tokenizer.encode(text) == expected.encode(text)
+        assert tokenizer.eos_token_id == expected.eos_token_id
+        messages = [{"role": "user", "content": "hi"}]
+        assert tokenizer.apply_chat_template(messages, tokenize=False) == (
+            expected.apply_chat_template(messages, tokenize=False)
+        )
+    again = install_tokenizer(server.base_url, API_KEY, tiny_model_dir.name)  # idempotent
+    assert again == tokenizer_id
+    _load_tokenizer_from_model_info.cache_clear()
+
+
+def test_tokenizer_of_an_unserved_model_is_refused(server):
+    answer = server.http("GET", "/tokenizer", params={"base_model": "/etc"})
+    assert answer.status_code == 400
+    assert answer.json()["field"] == "base_model" and "not served" in answer.json()["error"]
+
+
+# ---------------------------------------------------------------------- 6. cancellation
+
+
+def test_dynamic_config_enables_cancellation(server):
+    answer = server.http("POST", "/client/dynamic_config", json={"sdk_version": "0.38.0"})
+    assert answer.status_code == 200
+    config = types.ClientDynamicConfigResponse.model_validate(answer.json())
+    assert config.sample_cancel_enabled
+    service = server.service_client()
+    service.create_rest_client()  # constructing the holder fetches it
+    assert service.holder.get_client_dynamic_config().sample_cancel_enabled
+
+
+def test_abandoned_sample_frees_the_engine(server, monkeypatch):
+    """A long sample abandoned through the SDK (result_async timeout) is cancelled on the
+    server: its row leaves the engine, and the next request (which, with one row at a time,
+    would otherwise wait for it) completes at once."""
+    service = server.service_client()
+    sampler = service.create_sampling_client(base_model="other").result()
+    prompt = types.ModelInput.from_ints(PROMPT)
+    sampler.sample(prompt, 1, types.SamplingParams(max_tokens=1)).result()  # engine up
+    engine = server.core.samplers.engine(sampler._sampling_session_id)
+    decode = engine.runner.decode
+
+    def slow_decode(group):  # ~500 steps of 20 ms: a 10 s request
+        time.sleep(0.02)
+        decode(group)
+
+    monkeypatch.setattr(engine.runner, "decode", slow_decode)
+    before = engine.stats.generated_tokens
+    long_params = types.SamplingParams(max_tokens=500, stop=[], seed=1)
+
+    async def abandon():
+        future = sampler.sample(prompt, 1, long_params)
+        with pytest.raises(TimeoutError):
+            await future.result_async(timeout=1.5)
+
+    asyncio.run(abandon())
+    started = time.monotonic()
+    quick = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=3, stop=[]))
+    assert len(quick.result(timeout=30).sequences[0].tokens) == 3
+    waited = time.monotonic() - started
+    assert waited < 5, f"the next request waited {waited:.1f} s: the abandoned one kept running"
+    # the abandoned request generated far fewer than its 500 tokens, and left no rows behind
+    assert engine.stats.generated_tokens - before < 300
+    assert wait_until(lambda: engine._num_rows() == 0)
+    failed = [
+        r
+        for r in server.state.db._all("SELECT * FROM futures WHERE request_type = 'Sample'")
+        if r["status"] == "failed"
+    ]
+    assert any(b"cancelled" in r["payload"] for r in failed)
+
+
+def test_engine_cancel_of_queued_and_running_requests(tiny_model_dir):
+    """The PyTorch engine's cancel hook: a queued request leaves the queue, a running one's
+    rows leave the batch; the other requests are unaffected."""
+    from concurrent.futures import CancelledError
+
+    from skyrl_trainer.backend.sampling.engine import GenerationParams, GenerationRequest
+    from skyrl_trainer.backend.sampling.torch_engine import TorchSamplingEngine
+
+    engine = TorchSamplingEngine(
+        tiny_model_dir, dtype="float32", device="cpu", max_batch_size=1, prefix_cache_tokens=0
+    )
+    try:
+        decode = engine.runner.decode
+        engine.runner.decode = lambda group: (time.sleep(0.01), decode(group))
+        long = GenerationRequest(tuple(PROMPT), 1, GenerationParams(max_tokens=400, seed=1))
+        short = GenerationRequest(tuple(PROMPT), 1, GenerationParams(max_tokens=4, seed=2))
+        running = engine.generate(long)
+        queued = engine.generate(long)
+        after = engine.generate(short)
+        deadline = time.monotonic() + 30
+        while not running.running():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert engine.cancel(queued) and queued.cancelled()
+        assert engine.cancel(running)
+        with pytest.raises(CancelledError):
+            running.result(timeout=30)
+        assert len(after.result(timeout=30).sequences[0].tokens) == 4
+        assert wait_until(lambda: engine._num_rows() == 0) and not engine._queue
+        assert engine.stats.generated_tokens < 400
+        assert not engine.cancel(after)  # finished: nothing to cancel
+    finally:
+        engine.shutdown()
+
+
+def test_cancel_future_route(server):
+    missing = server.http("POST", "/cancel_future", json={"request_id": "nope"})
+    assert missing.status_code == 404 and missing.json()["field"] == "request_id"
+
+
+# ------------------------------------------------------ 7. silently ignored fields
+
+
+def test_record_stability_info_is_refused_by_name(server, trained):
+    service, tc, path, _ = trained
+    prompt = types.ModelInput.from_ints(PROMPT)
+    sampler = service.create_sampling_client(model_path=path, record_stability_info=True)
+    with pytest.raises(tinker.APIStatusError, match="record_stability_info.*stable_reinforce"):
+        sampler.result().sample(prompt, 1, types.SamplingParams(max_tokens=2)).result()
+    snapshot = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
+    with pytest.raises(tinker.APIStatusError, match="record_stability_info"):
+        snapshot.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result()
+
+
+def test_provenance_spans_are_refused_by_name(server, trained):
+    _, tc, _, datum = trained
+    n = len(PROMPT) - 1
+    spanned = datum.with_provenance(
+        model_input=[types.PromptProvenanceSpan(sequence_id="s:0", length=n)],
+        loss_fn_inputs=[types.SampledProvenanceSpan(sequence_id="s:0", length=n)],
+    )
+    with pytest.raises(tinker.RequestFailedError, match=r"data\[1\]\.model_input_spans"):
+        tc.forward_backward([datum, spanned], "cross_entropy").result()
+    # refused before any work: the model's next request runs normally
+    assert tc.forward([datum], "cross_entropy").result().metrics["loss:sum"] > 0
+
+
+def test_access_scope(server, trained, tiny_model_dir):
+    service, tc, path, _ = trained
+    other = tinker.ServiceClient(base_url=server.base_url, api_key="tml-someone-else")
+    theirs = other.create_rest_client()
+    mine = service.create_rest_client()
+    assert mine.get_training_run(tc.model_id, access_scope="accessible").result()
+    with pytest.raises(tinker.NotFoundError):
+        theirs.get_training_run(tc.model_id).result()
+    with pytest.raises(tinker.NotFoundError):
+        theirs.get_training_run(tc.model_id, access_scope="accessible").result()
+    runs = theirs.list_training_runs(access_scope="accessible").result().training_runs
+    assert tc.model_id not in [r.training_run_id for r in runs]
+    mine.publish_checkpoint_from_tinker_path(path).result()
+    try:
+        run = theirs.get_training_run(tc.model_id, access_scope="accessible").result()
+        assert run.last_sampler_checkpoint.tinker_path == path
+        assert run.last_checkpoint is None  # only what was published
+        with pytest.raises(tinker.NotFoundError):  # "owned" still means owned
+            theirs.get_training_run(tc.model_id).result()
+        listed = theirs.list_training_runs(access_scope="accessible").result()
+        assert tc.model_id in [r.training_run_id for r in listed.training_runs]
+        owned = theirs.list_training_runs().result()
+        assert tc.model_id not in [r.training_run_id for r in owned.training_runs]
+    finally:
+        mine.unpublish_checkpoint_from_tinker_path(path).result()
+    session_id = service.holder.get_session_id()
+    assert mine.get_session(session_id, access_scope="accessible").result()
+    assert session_id in mine.list_sessions(access_scope="accessible").result().sessions
+    bad = server.http("GET", f"/training_runs/{tc.model_id}", params={"access_scope": "all"})
+    assert bad.status_code == 400 and bad.json()["field"] == "access_scope"
+    bad = server.http("GET", "/sessions", params={"access_scope": "everyone"})
+    assert bad.status_code == 400 and bad.json()["field"] == "access_scope"
+
+
+# ---------------------------------------------------------------- 8. unsupported routes
+
+
+def test_unsupported_routes_answer_a_json_refusal(server, trained):
+    service, tc, path, _ = trained
+    rest = service.create_rest_client()
+    with pytest.raises(tinker.BadRequestError, match="external weights.*not supported"):
+        rest.get_external_weights_urls(f"tinker://{tc.model_id}/external_weights/x").result()
+    # any method a route does not take: the same refusal as an unknown route
+    for method, route in [
+        ("PUT", "/sessions/search"),
+        ("POST", "/training_runs/x/checkpoints/weights/y"),
+        ("DELETE", "/get_server_capabilities"),
+        ("GET", "/no_such_route"),
+    ]:
+        answer = server.http(method, route)
+        assert answer.status_code in (404, 405), (method, route)
+        body = answer.json()
+        assert body["error"] == f"{method} /api/v1{route} is not supported by this server"
+        assert body["category"] == "user"
+
+
+def test_search_sessions(server, trained):
+    service, tc, _, _ = trained
+    named = tinker.ServiceClient(
+        base_url=server.base_url,
+        api_key=API_KEY,
+        display_name="Nightly RL run",
+        user_metadata={"team": "blue"},
+    )
+    named_id = named.holder.get_session_id()
+    rest = service.create_rest_client()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        search = rest.search_sessions
+
+        found = search(types.SessionSearchRequest(display_name="rl nightly")).result()
+        assert [s.session_id for s in found.sessions] == [named_id]
+        summary = found.sessions[0]
+        assert summary.display_name == "Nightly RL run"
+        assert summary.user_metadata == {"team": "blue"} and summary.project_id == "default"
+        assert summary.status is not None and summary.status.type == "active"
+
+        by_meta = search(types.SessionSearchRequest(user_metadata={"team": "blue"})).result()
+        assert [s.session_id for s in by_meta.sessions] == [named_id]
+        own_id = service.holder.get_session_id()
+        mine = search(types.SessionSearchRequest(session_id=own_id)).result().sessions
+        assert [s.session_id for s in mine] == [own_id] and mine[0].checkpoints_count >= 1
+
+        everything = search(types.SessionSearchRequest(limit=200)).result().sessions
+        assert len(everything) >= 2
+        created = [s.created_at for s in everything]
+        assert created == sorted(created, reverse=True)
+        pages, request = [], types.SessionSearchRequest(limit=1)
+        while True:
+            page = search(request).result()
+            pages += [s.session_id for s in page.sessions]
+            if page.next_cursor is None:
+                break
+            request = request.model_copy(update={"cursor": page.next_cursor})
+        assert pages == [s.session_id for s in everything]
+
+        named.close("success").result()
+        finished = types.ClientFinishedSessionStatusQuery(reasons=["success"])
+        done = search(types.SessionSearchRequest(statuses=[finished])).result().sessions
+        assert named_id in [s.session_id for s in done]
+        active = search(types.SessionSearchRequest(statuses=[types.ActiveSessionStatusQuery()]))
+        assert named_id not in [s.session_id for s in active.result().sessions]
+        with pytest.raises(tinker.BadRequestError, match="project"):
+            search(types.SessionSearchRequest(project_ids=["elsewhere"])).result()
+        nobody = types.UserSearchOwner(owner_urns=["someone"])
+        assert search(types.SessionSearchRequest(owner=nobody)).result().sessions == []
+    # raw JSON check: the answer is the SDK's own type
+    answer = server.http("POST", "/sessions/search", json={"limit": 1})
+    assert answer.status_code == 200
+    types.SessionSearchResponse.model_validate(json.loads(answer.content))
