@@ -353,6 +353,31 @@ def test_record_stability_info_is_refused_by_name(server, trained):
         snapshot.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result()
 
 
+def test_in_process_clients_refuse_and_accept_alike(server, trained):
+    """The in-process clients (same core) behave as the server does."""
+    from skyrl_trainer.backend.clients import ServiceClient as LocalServiceClient
+    from skyrl_trainer.backend.errors import InvalidRequestError
+
+    _, _, path, datum = trained
+    local = LocalServiceClient(core=server.core)
+    name = server.model_dir.name
+    with pytest.raises(InvalidRequestError, match="record_stability_info"):
+        local.create_sampling_client(base_model=name, record_stability_info=True).result()
+    assert local.create_sampling_client(model_path=path, base_model=name).result()
+    with pytest.raises(InvalidRequestError, match="model_path.*base_model='tiny"):
+        local.create_sampling_client(model_path=path, base_model="other").result()
+    tc = local.create_lora_training_client(name, rank=4, seed=3).result()
+    with pytest.raises(InvalidRequestError, match="record_stability_info"):
+        tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
+    n = len(PROMPT) - 1
+    spanned = datum.with_provenance(
+        model_input=[types.PromptProvenanceSpan(sequence_id="s:0", length=n)],
+        loss_fn_inputs=[types.PromptProvenanceSpan(sequence_id="s:0", length=n)],
+    )
+    with pytest.raises(InvalidRequestError, match="model_input_spans"):
+        tc.forward_backward([spanned], "cross_entropy").result()
+
+
 def test_provenance_spans_are_refused_by_name(server, trained):
     _, tc, _, datum = trained
     n = len(PROMPT) - 1
