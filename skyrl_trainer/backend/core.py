@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import torch
 from tinker import types
 
-from skyrl_trainer.backend import model_loading
+from skyrl_trainer.backend import custom_loss_graph, model_loading
 from skyrl_trainer.backend.base_models import BaseModelCatalog
 from skyrl_trainer.backend.checkpoints import CheckpointMetadata, CheckpointStore
 from skyrl_trainer.backend.config import BackendConfig
@@ -70,6 +70,8 @@ class _Session:
     user_metadata: dict[str, str] | None
     model_seq: itertools.count = field(default_factory=itertools.count)
     end_status: str | None = None  # set by close_session
+    custom_losses: dict[str, custom_loss_graph.CustomLossProgram] = field(default_factory=dict)
+    custom_loss_seq: itertools.count = field(default_factory=itertools.count)
 
 
 RECORD_STABILITY_INFO_REFUSAL = (
@@ -283,6 +285,100 @@ class BackendCore:
             ]
         )
 
+    # ----- custom losses ------------------------------------------------------------------
+
+    def create_custom_loss(
+        self,
+        session_id: str,
+        name: str,
+        inputs: Sequence[Any],
+        graph: Any,
+        custom_loss_seq_id: int | None = None,
+    ) -> str:
+        """Store a traced custom loss (`tinker.types.CreateCustomLossRequest`'s name, inputs
+        and graph) for the session's models; returns its loss id,
+        `<session_id>:loss:<seq>`. The graph is rebuilt from `custom_loss_graph`'s allowlist
+        or refused (InvalidRequestError naming what). The same upload again under the same
+        seq id (an SDK retry) returns the same id."""
+        session = self._session(session_id)
+        program = custom_loss_graph.rebuild(name, inputs, graph)
+        with self._lock:
+            seq = (
+                next(session.custom_loss_seq) if custom_loss_seq_id is None else custom_loss_seq_id
+            )
+            if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
+                raise InvalidRequestError("custom_loss_seq_id", f"must be an int >= 0, got {seq!r}")
+            loss_id = f"{session_id}:loss:{seq}"
+            existing = session.custom_losses.get(loss_id)
+            if existing is not None:
+                if existing != program:
+                    raise InvalidRequestError(
+                        "custom_loss_seq_id", f"loss '{loss_id}' already exists with another graph"
+                    )
+                return loss_id
+            if len(session.custom_losses) >= custom_loss_graph.MAX_LOSSES_PER_SESSION:
+                raise InvalidRequestError(
+                    "custom_loss_seq_id",
+                    f"a session may hold at most {custom_loss_graph.MAX_LOSSES_PER_SESSION} "
+                    "custom losses",
+                )
+            session.custom_losses[loss_id] = program
+        return loss_id
+
+    def _custom_loss(
+        self, record: ModelRecord, loss_fn_config: Mapping[str, Any] | None
+    ) -> custom_loss_graph.CustomLossProgram:
+        """The uploaded loss `loss_fn_config` names (`{"loss_id": ...}`), of the model's
+        session."""
+        config = dict(loss_fn_config or {})
+        loss_id = config.pop("loss_id", None)
+        if config:
+            raise InvalidRequestError(
+                f"loss_fn_config.{sorted(config)[0]}",
+                "unknown key for loss 'custom'; it takes only loss_id",
+            )
+        if not isinstance(loss_id, str):
+            raise InvalidRequestError(
+                "loss_fn_config.loss_id",
+                "loss 'custom' runs a loss uploaded with create_custom_loss: pass "
+                "{'loss_id': <its id>} (forward_backward_custom with its LossHandle does)",
+            )
+        session = self._sessions.get(record.session_id)
+        program = session.custom_losses.get(loss_id) if session is not None else None
+        if program is None:
+            raise InvalidRequestError(
+                "loss_fn_config.loss_id",
+                f"unknown custom loss {loss_id!r} for model '{record.model_id}' (a loss is "
+                "usable by the models of the session that created it)",
+            )
+        return program
+
+    def _forward_backward_graph(
+        self,
+        model_id: str,
+        data: Sequence[types.Datum],
+        loss_fn_config: Mapping[str, Any] | None,
+        forward_only: bool,
+    ) -> Future[types.ForwardBackwardOutput]:
+        """`forward_backward(data, "custom", {"loss_id": ...})`: the uploaded loss in one
+        pass. The learner's log-probs go through the rebuilt graph with each datum's inputs
+        and autograd backpropagates through both; metrics: the loss's own (`:sum` summed,
+        `:mean` averaged over datums, as the SDK does) and `loss:sum`."""
+
+        def job(record: ModelRecord, group: TrainingWorkerGroup) -> types.ForwardBackwardOutput:
+            self.samplers.before_training(record.base_model)  # colocated engines sleep
+            program = self._custom_loss(record, loss_fn_config)
+            desc = group.description
+            examples = custom_loss_graph.to_examples(
+                data, program, desc.vocab_size, desc.max_length
+            )
+            spec = custom_loss_graph.loss_spec(program)
+            result = group.forward_backward(model_id, examples, spec, {}, backward=not forward_only)
+            metrics = custom_loss_graph.metrics(program, result.logprobs, examples)
+            return _output(result.logprobs, {**metrics, "loss:sum": result.loss_sum})
+
+        return self._submit_for_model(model_id, job)
+
     # ----- training -----------------------------------------------------------------------
 
     def forward_backward(
@@ -294,11 +390,16 @@ class BackendCore:
         forward_only: bool = False,
     ) -> Future[types.ForwardBackwardOutput]:
         """Per-token log-probs and the summed loss (`loss:sum`); unless `forward_only`,
-        the loss's gradients are added to the model's accumulated gradients."""
+        the loss's gradients are added to the model's accumulated gradients.
+
+        `loss_fn="custom"` with `{"loss_id": ...}` runs a loss uploaded with
+        `create_custom_loss` (`_forward_backward_graph`)."""
         try:
             check_no_provenance(data)
         except InvalidRequestError as exc:
             return failed(exc)
+        if loss_fn == "custom":
+            return self._forward_backward_graph(model_id, data, loss_fn_config, forward_only)
 
         def job(record: ModelRecord, group: TrainingWorkerGroup) -> types.ForwardBackwardOutput:
             self.samplers.before_training(record.base_model)  # colocated engines sleep

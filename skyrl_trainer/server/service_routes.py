@@ -12,8 +12,10 @@ from fastapi import APIRouter, Depends, Request, Response
 from pydantic import BaseModel
 from tinker import types
 
+from skyrl_trainer.backend.futures import run_now
 from skyrl_trainer.server.auth import authenticate
 from skyrl_trainer.server.checkpoint_routes import access_scope
+from skyrl_trainer.server.future_tracker import json_result
 from skyrl_trainer.server.http_errors import ApiError
 from skyrl_trainer.server.state import ServerState
 
@@ -40,10 +42,13 @@ async def healthz():
 
 @router.post("/client/config")
 async def client_config(request: Request, owner: str = Depends(authenticate)):
-    """Feature flags for the SDK: zstd request bodies, and forward/backward chunks that stay
-    under this server's batch and size limits."""
+    """Feature flags for the SDK: zstd request bodies, forward/backward chunks that stay
+    under this server's batch and size limits, and server-side custom losses
+    (`create_custom_loss` uploads the traced loss; `forward_backward_custom` with its handle
+    runs it here in one pass)."""
     limits = _state(request).config.limits
     return types.ClientConfigResponse(
+        custom_loss_server_side=True,
         proto_compress_fwdbwd=True,
         fwdbwd_max_chunk_len=limits.max_batch_datums,
         fwdbwd_max_chunk_bytes_count=min(5_000_000, limits.max_request_bytes // 2),
@@ -72,6 +77,31 @@ async def cancel_future(request: Request, owner: str = Depends(authenticate)):
         )
     cancelled = state.tracker.cancel(body.request_id)
     return {"request_id": body.request_id, "cancelled": cancelled}
+
+
+@router.post("/create_custom_loss")
+async def create_custom_loss(request: Request, owner: str = Depends(authenticate)):
+    """Store a traced custom loss for the session (`ServiceClient.create_custom_loss`). The
+    graph is rebuilt from the backend's allowlist (`backend.custom_loss_graph`); a refusal
+    arrives through the future, naming what was refused. The result is `{loss_id}`."""
+    state = _state(request)
+    body = await state.parse(request, types.CreateCustomLossRequest)
+    state.session(owner, body.session_id)
+
+    def run():
+        return run_now(
+            lambda: types.CreateCustomLossResponse(
+                loss_id=state.core.create_custom_loss(
+                    body.session_id,
+                    body.name,
+                    body.inputs,
+                    body.graph,
+                    custom_loss_seq_id=body.custom_loss_seq_id,
+                )
+            )
+        )
+
+    return state.respond_with_future(request, owner, "CreateCustomLoss", run, json_result)
 
 
 @router.post("/create_session")

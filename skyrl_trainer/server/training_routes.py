@@ -105,13 +105,6 @@ async def forward_backward(request: Request, owner: str = Depends(authenticate))
     cap = state.config.limits.max_batch_datums
     if len(call.data) > cap:
         raise ApiError(400, "data", f"{len(call.data)} datums is over the limit of {cap}")
-    if call.loss_fn == "custom":
-        raise ApiError(
-            400,
-            "loss_fn",
-            "server-side custom losses are not supported; forward_backward_custom with a "
-            "Python callable (computed by the SDK) works",
-        )
 
     return state.respond_with_future(
         request,

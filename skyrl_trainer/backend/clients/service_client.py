@@ -10,10 +10,13 @@ LoRA adapter. A remote Tinker service has no such call.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from tinker import types
 from tinker.lib.public_interfaces.api_future import APIFuture
+from tinker.lib.public_interfaces.custom_loss import LossHandle, encode_graph, trace_loss
 
 from skyrl_trainer.backend.clients.futures import (
     ClientFuture,
@@ -53,6 +56,7 @@ class ServiceClient:
     ):
         self.core = core if core is not None else BackendCore(config)
         self.session_id = self.core.create_session(user_metadata)
+        self._custom_loss_keys: dict[str, str] = {}  # LossHandle.key -> name, as the SDK
 
     def _training_client(self, future) -> ClientFuture[TrainingClient]:
         return ClientFuture(mapped(future, lambda model_id: TrainingClient(self.core, model_id)))
@@ -164,6 +168,33 @@ class ServiceClient:
 
     async def create_sampling_client_async(self, *args, **kwargs) -> SamplingClient:
         return await self.create_sampling_client(*args, **kwargs)
+
+    # ----- custom losses ------------------------------------------------------------------
+
+    def create_custom_loss(
+        self, fn: Callable[..., Any], input_ranks: Mapping[str, types.CustomLossInputRank]
+    ) -> APIFuture[LossHandle]:
+        """A per-datum loss `fn(logprobs, *inputs) -> (scalar loss, metrics)` traced with the
+        SDK's own tracer (`trace_loss`) and stored in the backend, as a server with
+        `custom_loss_server_side` does: `forward_backward_custom(data, handle)` then runs it
+        in one pass. Tracing problems raise ValueError here; a graph the backend refuses
+        fails the future, naming what was refused."""
+        handle = trace_loss(fn, input_ranks, self.session_id)
+        existing = self._custom_loss_keys.get(handle.key)
+        if existing is not None:
+            raise ValueError(
+                f"create_custom_loss: this session already created {existing!r} with the same "
+                "traced loss; reuse its LossHandle"
+            )
+        self._custom_loss_keys[handle.key] = handle.name
+
+        def create() -> LossHandle:
+            loss_id = self.core.create_custom_loss(
+                self.session_id, handle.name, list(handle.inputs), encode_graph(handle)
+            )
+            return dataclasses.replace(handle, loss_id=loss_id)
+
+        return api_future(run_now(create))
 
     # ----- service ------------------------------------------------------------------------
 

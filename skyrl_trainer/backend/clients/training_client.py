@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from tinker import types
 from tinker.lib.public_interfaces.api_future import APIFuture
+from tinker.lib.public_interfaces.custom_loss import LossHandle, check_loss_inputs, run_loss_handle
 
 from skyrl_trainer.backend.clients.futures import ClientFuture, api_future, failed, mapped, run_now
 from skyrl_trainer.backend.clients.sampling_client import SamplingClient
@@ -73,12 +74,17 @@ class TrainingClient:
     def forward_backward_custom(
         self,
         data: list[types.Datum],
-        loss_fn: CustomLossFn,
+        loss_fn: CustomLossFn | LossHandle,
         *,
         loss_type_input: str | None = None,
     ) -> APIFuture[types.ForwardBackwardOutput]:
         """`loss_fn(data, logprobs_list) -> (loss, metrics)` computed in torch on the learner's
-        log-probs; its gradient is applied through a cross_entropy surrogate, as in the SDK."""
+        log-probs; its gradient is applied through a cross_entropy surrogate, as in the SDK.
+
+        A `LossHandle` from `ServiceClient.create_custom_loss` (which always uploads here) runs
+        as `forward_backward(data, "custom", {"loss_id": ...})`: one pass, the rebuilt graph
+        on the learner's log-probs, autograd through both. A handle without a loss id runs
+        its traced graph like a callable."""
         if loss_type_input not in (None, "logprobs"):
             return api_future(
                 failed(
@@ -87,6 +93,22 @@ class TrainingClient:
                     )
                 )
             )
+        if isinstance(loss_fn, LossHandle):
+            session_id = self._core.model(self.model_id).session_id
+            try:
+                if loss_fn.session_id != session_id:
+                    raise InvalidRequestError(
+                        "loss_fn",
+                        f"LossHandle {loss_fn.name!r} was created in session "
+                        f"{loss_fn.session_id}; it can only be used by clients of that session",
+                    )
+                check_loss_inputs(loss_fn, data)
+            except ValueError as exc:
+                return api_future(failed(exc))
+            if loss_fn.loss_id is not None:
+                return self.forward_backward(data, "custom", {"loss_id": loss_fn.loss_id})
+            handle = loss_fn
+            loss_fn = lambda data, logprobs: run_loss_handle(handle, data, logprobs)  # noqa: E731
         if not callable(loss_fn):
             return api_future(failed(InvalidRequestError("loss_fn", "must be a callable")))
         return api_future(self._core.forward_backward_custom(self.model_id, data, loss_fn))
