@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 from tinker import types
 
@@ -663,8 +664,16 @@ class BackendCore:
         sampling_params: types.SamplingParams,
         include_prompt_logprobs: bool = False,
         topk_prompt_logprobs: int = 0,
+        topk_sample_logprobs: int = 0,
+        target_prompt_logprobs: Any = None,
+        prompt_alt_tokens_k: int = 0,
+        prompt_logprobs_last_n: int | None = None,
     ) -> Future[types.SampleResponse]:
-        """Sample `num_samples` continuations of `prompt` from the sampler's weights."""
+        """Sample `num_samples` continuations of `prompt` from the sampler's weights.
+
+        The arguments are the SDK's `SamplingClient.sample` ones (`target_prompt_logprobs` is a
+        `TensorData`, the SDK's dataclass or its pydantic wire model, dense or sparse CSR);
+        `to_generation_request` validates them, naming the field."""
         try:
             engine = self.samplers.engine(sampler_id)
             request = to_generation_request(
@@ -677,6 +686,10 @@ class BackendCore:
                 context_length=engine.max_model_len,
                 eos_token_id=engine.tokenizer.eos_token_id,
                 config=self.config.sampling,
+                topk_sample_logprobs=topk_sample_logprobs,
+                prompt_logprobs_last_n=prompt_logprobs_last_n,
+                target_prompt_logprobs=target_prompt_logprobs,
+                prompt_alt_tokens_k=prompt_alt_tokens_k,
             )
             result = self.samplers.generate(sampler_id, request)
         except InvalidRequestError as exc:
@@ -685,7 +698,14 @@ class BackendCore:
         stop = getattr(engine, "cancel", None)  # an engine that can stop running requests
         return _SampleFuture(
             result,
-            lambda r: to_sample_response(r, prefix, topk_prompt_logprobs),
+            lambda r: to_sample_response(
+                r,
+                prefix,
+                topk_prompt_logprobs,
+                topk_sample_logprobs=topk_sample_logprobs,
+                target_prompt_logprobs=target_prompt_logprobs,
+                prompt_alt_tokens_k=prompt_alt_tokens_k,
+            ),
             (lambda: stop(result)) if stop is not None else result.cancel,
         )
 
@@ -754,9 +774,10 @@ def _cross_entropy_view(datum: types.Datum, field_name: str) -> types.Datum:
         raise InvalidRequestError(f"{field_name}.loss_fn_inputs.target_tokens", "is missing")
     weights = datum.loss_fn_inputs.get("weights")
     if weights is None:
-        weights = types.TensorData(
-            data=[0.0] * len(targets.data), dtype="float32", shape=targets.shape
-        )
+        # np.zeros of the shape, not of len(targets.data): a sparse CSR `data` lists only
+        # some cells of a 2-D target_tokens.
+        shape = targets.shape if targets.shape is not None else np.shape(targets.to_numpy())
+        weights = types.TensorData.from_numpy(np.zeros(shape, dtype=np.float32))
     return types.Datum(
         model_input=datum.model_input,
         loss_fn_inputs={"target_tokens": targets, "weights": weights},

@@ -152,14 +152,20 @@ def _target_ids(td, prompt_len: int, vocab_size: int) -> np.ndarray:
         raise InvalidRequestError(
             field, f"must be an int64 tensor of token ids, got {getattr(td, 'dtype', td)!r}"
         )
-    ids = tensor_data_to_numpy(td, field, pad_value=-1)
     rows = prompt_len - 1
-    if ids.ndim != 2 or ids.shape[0] != rows or not 1 <= ids.shape[1] <= MAX_TOPK:
-        raise InvalidRequestError(
-            field,
-            f"has shape {list(ids.shape)}; must be [{rows}, K] (len(prompt) - 1 rows; row i "
-            f"scores prompt position i + 1) with 1 <= K <= {MAX_TOPK}",
-        )
+
+    def check_shape(shape: list[int]) -> None:
+        if len(shape) != 2 or shape[0] != rows or not 1 <= shape[1] <= MAX_TOPK:
+            raise InvalidRequestError(
+                field,
+                f"has shape {shape}; must be [{rows}, K] (len(prompt) - 1 rows; row i "
+                f"scores prompt position i + 1) with 1 <= K <= {MAX_TOPK}",
+            )
+
+    if getattr(td, "shape", None) is not None:  # before densifying a (maybe huge) CSR shape
+        check_shape(list(td.shape))
+    ids = tensor_data_to_numpy(td, field, pad_value=-1)
+    check_shape(list(ids.shape))
     ids = ids.astype(np.int64)
     bad = np.argwhere((ids < -1) | (ids >= vocab_size))
     if bad.size:

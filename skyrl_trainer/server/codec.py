@@ -227,9 +227,12 @@ def _densify(
 def encode_forward_backward_output(output: types.ForwardBackwardOutput) -> bytes:
     """Serialize a result as the protobuf `ForwardBackwardOutput` the SDK decodes.
 
-    All datums go into one `ArrayRecord`, one `BatchedTensor` per field; every datum must have
-    the same field names and, per field, the same dtype and trailing shape (else `ValueError`).
-    A 0-d per-datum tensor comes back to the client as shape [1].
+    Datums go into `ArrayRecord`s, one `BatchedTensor` per field: one record per run of
+    consecutive datums whose fields have the same dtypes and trailing shapes (the SDK decodes
+    several records in order: "ragged outputs (e.g. variable-K loss fields) arrive as multiple
+    internally-rectangular chunks"), so 1-D logprobs and [T, K] logprobs of different K can
+    share a response. Every datum must have the same field names (else `ValueError`). A 0-d
+    per-datum tensor comes back to the client as shape [1].
     """
     msg = public_pb.ForwardBackwardOutput(
         loss_fn_output_type=output.loss_fn_output_type,
@@ -238,28 +241,39 @@ def encode_forward_backward_output(output: types.ForwardBackwardOutput) -> bytes
     outputs = output.loss_fn_outputs
     if not outputs:
         return msg.SerializeToString()
-    record = msg.loss_fn_outputs.add(num_datums=len(outputs))
     names = sorted(outputs[0])
     for i, datum in enumerate(outputs):
         if sorted(datum) != names:
             raise ValueError(f"loss_fn_outputs[{i}] has fields {sorted(datum)}, not {names}")
-    for name in names:
-        tensors = [datum[name] for datum in outputs]
-        wire_dtype, np_dtype = _TO_WIRE[tensors[0].dtype]
-        arrays = [np.asarray(t.to_numpy(), dtype=np_dtype) for t in tensors]
-        trailing = list(arrays[0].shape[1:])
-        for i, (t, a) in enumerate(zip(tensors, arrays)):
-            if t.dtype != tensors[0].dtype or list(a.shape[1:]) != trailing:
-                raise ValueError(f"loss_fn_outputs[{i}].{name} differs in dtype or trailing shape")
-        offsets = np.cumsum([0] + [a.nbytes for a in arrays], dtype=np.int64)
-        record.fields[name].CopyFrom(
-            public_pb.BatchedTensor(
-                data=b"".join(a.tobytes() for a in arrays),
-                offsets=offsets.astype("<i8").tobytes(),
-                dtype=wire_dtype,
-                trailing_shape=trailing,
+    # Per datum: {name: (wire dtype, little-endian array)}, and its layout key.
+    encoded = []
+    for datum in outputs:
+        fields = {}
+        for name in names:
+            wire_dtype, np_dtype = _TO_WIRE[datum[name].dtype]
+            fields[name] = (wire_dtype, np.asarray(datum[name].to_numpy(), dtype=np_dtype))
+        layout = tuple((name, dtype, a.shape[1:]) for name, (dtype, a) in fields.items())
+        encoded.append((layout, fields))
+    start = 0
+    while start < len(encoded):
+        layout = encoded[start][0]
+        stop = start + 1
+        while stop < len(encoded) and encoded[stop][0] == layout:
+            stop += 1
+        run = [datum_fields for _, datum_fields in encoded[start:stop]]
+        record = msg.loss_fn_outputs.add(num_datums=len(run))
+        for name, wire_dtype, trailing in layout:
+            arrays = [datum_fields[name][1] for datum_fields in run]
+            offsets = np.cumsum([0] + [a.nbytes for a in arrays], dtype=np.int64)
+            record.fields[name].CopyFrom(
+                public_pb.BatchedTensor(
+                    data=b"".join(a.tobytes() for a in arrays),
+                    offsets=offsets.astype("<i8").tobytes(),
+                    dtype=wire_dtype,
+                    trailing_shape=list(trailing),
+                )
             )
-        )
+        start = stop
     return msg.SerializeToString()
 
 
@@ -269,11 +283,10 @@ def encode_sample_response(response: types.SampleResponse) -> bytes:
     Reads the numpy fields (`tokens_np`, `prompt_logprobs_np`, ...) or, when a response was built
     from lists, the list properties. A None prompt logprob travels as NaN and comes back as None;
     top-k lists become dense (length, k) matrices padded with (0, -99999). An empty `logprobs`
-    array comes back to the client as None (the SDK reads empty bytes as absent). A response
-    carrying `target_prompt_logprobs` or `prompt_alt_tokens` (never produced here) is a ValueError.
+    array comes back to the client as None (the SDK reads empty bytes as absent).
+    `target_prompt_logprobs` and the two `prompt_alt_tokens` tensors travel as proto `Tensor`s
+    with their shape, a sparse CSR tensor staying sparse (the SDK decodes it as sent).
     """
-    if response.target_prompt_logprobs is not None or response.prompt_alt_tokens is not None:
-        raise ValueError("target_prompt_logprobs / prompt_alt_tokens are not supported")
     msg = public_pb.SampleResponse(prompt_cache_hit_tokens=response.prompt_cache_hit_tokens)
     for seq in response.sequences:
         if seq.stop_reason not in _STOP_REASONS:
@@ -303,7 +316,35 @@ def encode_sample_response(response: types.SampleResponse) -> bytes:
         topk = _topk_from_lists(response.topk_prompt_logprobs)
     if topk is not None:
         msg.topk_prompt_logprobs.CopyFrom(_topk_proto(topk))
+    if response.target_prompt_logprobs is not None:
+        msg.target_prompt_logprobs.CopyFrom(_tensor_proto(response.target_prompt_logprobs))
+    if response.prompt_alt_tokens is not None:
+        msg.prompt_alt_tokens.tokens.CopyFrom(_tensor_proto(response.prompt_alt_tokens.tokens))
+        msg.prompt_alt_tokens.logprobs.CopyFrom(_tensor_proto(response.prompt_alt_tokens.logprobs))
     return msg.SerializeToString()
+
+
+def _tensor_proto(td) -> public_pb.Tensor:
+    """A `TensorData` (the SDK's dataclass or its pydantic model) as a proto `Tensor`, the
+    inverse of the SDK's `response_conv._tensor_data_from_proto`: dense bytes, or sparse CSR
+    values + int64 crow/col indices; the shape is always sent (the SDK reshapes to it)."""
+    wire_dtype, np_dtype = _TO_WIRE[td.dtype]
+    msg = public_pb.Tensor(dtype=wire_dtype)
+    if td.sparse_crow_indices is not None:
+        if td.sparse_col_indices is None or td.shape is None or len(td.shape) != 2:
+            raise ValueError("a sparse CSR tensor needs sparse_col_indices and a 2-D shape")
+        msg.shape.extend(int(n) for n in td.shape)
+        msg.sparse_csr.values = np.asarray(td.data, dtype=np_dtype).tobytes()
+        msg.sparse_csr.crow_indices = np.asarray(td.sparse_crow_indices, dtype="<i8").tobytes()
+        msg.sparse_csr.col_indices = np.asarray(td.sparse_col_indices, dtype="<i8").tobytes()
+        return msg
+    values = td.to_numpy() if hasattr(td, "to_numpy") else td.data
+    array = np.asarray(values, dtype=np_dtype)
+    if td.shape is not None:
+        array = array.reshape(td.shape)
+    msg.shape.extend(array.shape)
+    msg.dense = array.tobytes()
+    return msg
 
 
 def _topk_from_lists(cells: list[list[tuple[int, float]] | None] | None) -> TopkLogprobs | None:

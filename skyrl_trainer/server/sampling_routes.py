@@ -16,14 +16,6 @@ from skyrl_trainer.server.state import ServerState, future_response
 
 router = APIRouter(prefix="/api/v1")
 
-# SampleRequest options this server does not implement, with the value that means "off".
-_UNSUPPORTED_SAMPLE_OPTIONS = {
-    "topk_sample_logprobs": 0,
-    "prompt_alt_tokens_k": 0,
-    "target_prompt_logprobs": None,
-    "prompt_logprobs_last_n": None,
-}
-
 
 def _state(request: Request) -> ServerState:
     return request.app.state.server
@@ -67,9 +59,6 @@ async def get_sampler(sampler_id: str, request: Request, owner: str = Depends(au
 async def asample(request: Request, owner: str = Depends(authenticate)):
     state = _state(request)
     body = await state.parse(request, types.SampleRequest)
-    for option, off in _UNSUPPORTED_SAMPLE_OPTIONS.items():
-        if getattr(body, option) != off:
-            raise ApiError(400, option, "is not supported by this server")
     check_record_stability_info(body.record_stability_info)
     limits = state.config.limits
     if not 1 <= body.num_samples <= limits.max_num_samples:
@@ -98,6 +87,12 @@ async def asample(request: Request, owner: str = Depends(authenticate)):
                 body.sampling_params,
                 include_prompt_logprobs=bool(body.prompt_logprobs),
                 topk_prompt_logprobs=body.topk_prompt_logprobs,
+                # The backend validates these (naming the field) and the engine produces them;
+                # the vLLM engine refuses target_prompt_logprobs / prompt_alt_tokens_k by name.
+                topk_sample_logprobs=body.topk_sample_logprobs,
+                target_prompt_logprobs=body.target_prompt_logprobs,
+                prompt_alt_tokens_k=body.prompt_alt_tokens_k,
+                prompt_logprobs_last_n=body.prompt_logprobs_last_n,
             ),
             lambda response: (PROTOBUF, encode_sample_response(response)),
         )

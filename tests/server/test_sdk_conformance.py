@@ -308,12 +308,8 @@ def test_unsupported_calls_say_so(live_server, tiny_model_dir):
         service.create_lora_training_client(
             str(tiny_model_dir), rank=4, optimizer=types.DimuonOptimizerConfig()
         ).result()
-    sampler = service.create_sampling_client(base_model=str(tiny_model_dir)).result()
-    with pytest.raises(tinker.APIStatusError, match="topk_sample_logprobs.*not supported"):
-        sampler.sample(
-            types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(max_tokens=2),
-            topk_sample_logprobs=2,
-        ).result()  # fmt: skip
+    # The SDK's sampling options (topk_sample_logprobs, ...) are served now:
+    # tests/server/test_sdk_sampling_options.py.
     with pytest.raises(tinker.APIStatusError, match="not supported"):
         service.create_rest_client().copy_weights(
             "tinker://x:train:0/weights/a", destination_project_id="p"
