@@ -9,6 +9,8 @@ Arms (each a `python -m skyrl_trainer.main` run, the way a user starts one, same
 - one_step_off:  sync_split + `algorithm.max_steps_off_policy=1` (deterministic: batch t sampled
                  with the weights of step t-1 while step t-1 trains).
 - streaming:     sync_split + k=1, `async_mode=streaming` (groups train in the order they finish).
+- one_step_off_learner_2t: one_step_off with the learner on as many threads as cores (the engine
+                 actor keeps its one): oversubscribed while both run.
 
 Per arm: step time, train tokens/s, the share of wall time the learner waits for batches and the
 share the sampler has nothing in flight, reward (and games won) per step and per wall-clock
@@ -16,6 +18,8 @@ second. Then a projection for disaggregated GPUs from the measured phase times (
 `gpu_projection`). Writes JSON (benchmarks/results/async_rl.json) and prints a table.
 
 Usage:  python benchmarks/async_rl.py [--steps 8] [--seeds 0] [--arms sync,one_step_off,...]
+        python benchmarks/async_rl.py --learning-rate 0 --out benchmarks/results/async_rl_lr0.json \
+            --work-dir outputs/bench_async_rl_lr0      # identical work in every arm
 """
 
 from __future__ import annotations
@@ -49,10 +53,16 @@ ARMS = {
         SPLIT + ["algorithm.max_steps_off_policy=1", "algorithm.async_mode=streaming"],
         {"OMP_NUM_THREADS": "1"},
     ),
+    # The learner keeps both cores' threads and the engine actor its one: they overlap where
+    # the sampler runs, and the learner has the machine to itself while the sampler idles.
+    "one_step_off_learner_2t": (
+        SPLIT + ["algorithm.max_steps_off_policy=1", "algorithm.async_mode=deterministic"],
+        {},
+    ),
 }
 
 
-def run_arm(name: str, seed: int, steps: int, out_dir: Path) -> dict:
+def run_arm(name: str, seed: int, steps: int, out_dir: Path, extra: list[str]) -> dict:
     overrides, env = ARMS[name]
     folder = out_dir / f"{name}-seed{seed}"
     args = [
@@ -71,15 +81,18 @@ def run_arm(name: str, seed: int, steps: int, out_dir: Path) -> dict:
         "logging.print_samples=0",
         "logging.progress_every_s=0",
         *overrides,
+        *extra,
     ]
     started = time.monotonic()
     with open(out_dir / f"{name}-seed{seed}.log", "w") as log:
         subprocess.run(
             args, cwd=ROOT, env={**os.environ, **env}, stdout=log, stderr=log, check=True
         )
-    wall = time.monotonic() - started
-    steps_ = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
-    return summarize(steps_, wall)
+    return summarize(read_metrics(folder), time.monotonic() - started)
+
+
+def read_metrics(folder: Path) -> list[dict]:
+    return [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
 def summarize(steps: list[dict], wall_s: float) -> dict:
@@ -105,6 +118,19 @@ def summarize(steps: list[dict], wall_s: float) -> dict:
         "learner_wait_share": learner_wait / total,
         "sampler_idle_share": sampler_idle / total,
         "rollouts_s_mean": statistics.mean(m["time/rollouts_s"] for m in steps),
+        # Steps differ in how many datums carry a gradient (zero-variance groups are not sent),
+        # so the learner's cost is also given per datum trained.
+        "datums_trained": sum(
+            m.get("train/sequences", 0) - m.get("train/datums_without_gradient", 0) for m in steps
+        ),
+        "step_s_per_datum_trained": total
+        / max(
+            sum(
+                m.get("train/sequences", 0) - m.get("train/datums_without_gradient", 0)
+                for m in steps
+            ),
+            1,
+        ),
         "train_phase_s_mean": statistics.mean(
             m.get("time/train_s", 0) + m.get("time/weight_sync_s", 0) for m in steps
         ),
@@ -151,19 +177,41 @@ def main() -> None:
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--out", type=Path, default=RESULTS / "async_rl.json")
+    parser.add_argument(
+        "--learning-rate",
+        type=float,
+        default=None,
+        help="0: the weights never change, so every arm samples and trains the same work "
+        "(a pure throughput comparison); default: the recipe's",
+    )
+    parser.add_argument(
+        "--add", action="store_true", help="keep the arms already in --out, add these to them"
+    )
     parser.add_argument("--work-dir", type=Path, default=ROOT / "outputs" / "bench_async_rl")
     args = parser.parse_args()
     args.work_dir.mkdir(parents=True, exist_ok=True)
     seeds = [int(s) for s in args.seeds.split(",")]
     arms = args.arms.split(",")
     runs: dict[str, list[dict]] = {}
+    if args.add and args.out.exists():  # summarised again from their metrics (same wall times)
+        for arm, results in json.loads(args.out.read_text())["arms"].items():
+            runs[arm] = [
+                summarize(read_metrics(args.work_dir / f"{arm}-seed{seed}"), r["wall_s"])
+                for seed, r in zip(seeds, results, strict=True)
+            ]
     for seed in seeds:
         for arm in arms:  # interleaved, so a drift of the machine hits every arm alike
             print(f"{arm} seed {seed} ...", flush=True)
-            runs.setdefault(arm, []).append(run_arm(arm, seed, args.steps, args.work_dir))
+            extra = (
+                []
+                if args.learning_rate is None
+                else [f"algorithm.learning_rate={args.learning_rate}"]
+            )
+            runs.setdefault(arm, []).append(run_arm(arm, seed, args.steps, args.work_dir, extra))
     result = {
         "benchmark": "async_rl",
         "recipe": "guess_number_grpo",
+        "learning_rate": args.learning_rate,
         "steps": args.steps,
         "seeds": seeds,
         "arms": runs,

@@ -97,6 +97,30 @@ def test_deterministic_mode_is_reproducible_and_resumes_exactly(
                 assert b[key] == pytest.approx(value, rel=1e-6, abs=1e-7), key
 
 
+def test_truncated_importance_sampling_corrects_stale_trajectories(
+    tmp_path, tiny_model_dir, reward_module
+):
+    """tis_cap weighs a stale trajectory by min(exp(lp_learner - lp_sampler), cap): 1 where the
+    learner still has the sampler's weights (fp32, step 1), away from 1 once it is k updates
+    ahead; the synchronous run's weights stay 1 throughout."""
+    overrides = {"steps": 3, "algorithm.tis_cap": 2.0, "algorithm.loss_fn": "ppo"}
+    stale = RLTrainer(
+        async_config(tmp_path / "a", tiny_model_dir, reward_module, k=1, **overrides),
+        make_service(tmp_path / "a"),
+    ).run()
+    sync = RLTrainer(
+        async_config(tmp_path / "s", tiny_model_dir, reward_module, k=0, **overrides),
+        make_service(tmp_path / "s"),
+    ).run()
+    assert stale[0]["tis/weight_mean"] == pytest.approx(1.0, abs=1e-4)
+    for m in stale[1:]:
+        assert m["async/staleness_1"] == 16
+        assert abs(m["tis/weight_mean"] - 1.0) > 1e-3
+        assert m["tis/weight_mean"] <= 2.0
+    for m in sync:
+        assert m["tis/weight_mean"] == pytest.approx(1.0, abs=1e-4)
+
+
 def test_off_policy_zero_is_the_synchronous_loop(tmp_path, tiny_model_dir, reward_module):
     """k = 0 in either mode is the synchronous loop, metric for metric (streaming k = 0 never
     samples with outdated weights; only the order of groups in a batch can differ)."""
