@@ -108,6 +108,7 @@ class ScheduledBatches:
         """`pending`: a checkpoint's payload (the batches already sampled after `start_step`
         and the stream position after them); None for a fresh start."""
         self.run, self.k = run, k
+        self._start = start_step
         self.idle = IdleClock()
         self._cond = threading.Condition()
         self._samplers: dict[int, object] = {}
@@ -128,7 +129,10 @@ class ScheduledBatches:
         self._thread.start()
 
     def version_of(self, step: int) -> int:
-        return max(step - self.k, 0)
+        """max(step - k, 0); never older than the version the run (re)started with: a run
+        extended past the `steps` it checkpointed at has no batches sampled ahead, and only its
+        current weights to sample the first k with."""
+        return max(step - self.k, self._start)
 
     def publish(self, version: int, sampler) -> None:
         with self._cond:

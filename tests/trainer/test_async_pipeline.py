@@ -97,6 +97,20 @@ def test_deterministic_mode_is_reproducible_and_resumes_exactly(
                 assert b[key] == pytest.approx(value, rel=1e-6, abs=1e-7), key
 
 
+def test_a_finished_deterministic_run_extends_to_more_steps(
+    tmp_path, tiny_model_dir, reward_module
+):
+    """A run checkpointed at its last step has no batches sampled ahead: extended to more steps,
+    its first new batch is sampled with the current weights (never older), then the schedule."""
+    short = async_config(tmp_path, tiny_model_dir, reward_module, k=1, steps=2)
+    RLTrainer(short, make_service(tmp_path)).run()
+    longer = async_config(tmp_path, tiny_model_dir, reward_module, k=1, steps=4)
+    resumed = RLTrainer(longer, make_service(tmp_path))
+    assert resumed.start_step == 2
+    history = resumed.run()
+    assert [m["async/staleness_mean"] for m in history] == [0, 1]
+
+
 def test_truncated_importance_sampling_corrects_stale_trajectories(
     tmp_path, tiny_model_dir, reward_module
 ):
