@@ -120,8 +120,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--pairs", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=48, help="prompt/chosen/rejected length")
-    parser.add_argument("--beta", type=float, default=0.5)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--beta", type=float, default=0.1)
+    parser.add_argument("--lr", type=float, default=2e-5)
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--dtype", default="float32", choices=["auto", "bfloat16", "float32"])
     parser.add_argument("--port", type=int, default=8791)
@@ -165,7 +165,10 @@ def main() -> None:
                         "loss": out.metrics["loss:sum"],
                         "margin": out.metrics["custom/margin:mean"],
                     }
-                    print(f"step {step} {name:>11}: {fb:.3f} s  loss {row['loss']:.6f}", flush=True)
+                    print(
+                        f"step {step} {name:>11}: {fb:.3f} s  loss {row['loss']:.6f}  margin {row['margin']:.4f}",
+                        flush=True,
+                    )
                     if step > 0:
                         samples[name].append(row)
             after = {
