@@ -21,17 +21,15 @@ import dataclasses
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from datetime import date
 from pathlib import Path
 
-import httpx
 import numpy as np
 import torch.nn.functional as F
 from _machine import describe, machine_info, resolve_dtype
+from _server import start_server
 from tinker import types
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -96,25 +94,6 @@ def dpo_data(pairs, reference: types.ForwardBackwardOutput, beta: float) -> list
     ]
 
 
-def start_server(port: int, storage: str, dtype: str) -> subprocess.Popen:
-    env = {**os.environ, "TINKER_TELEMETRY": "0"}
-    command = [
-        sys.executable, "-m", "skyrl_trainer.server", "--base-model", MODEL, "--port", str(port),
-        "--storage-dir", storage, "--sampling-engine", "torch", "--dtype", dtype,
-        "--log-level", "warning",
-    ]  # fmt: skip
-    process = subprocess.Popen(command, env=env)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/api/v1/healthz", timeout=1).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    process.kill()
-    raise RuntimeError("server did not start")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
@@ -134,7 +113,7 @@ def main() -> None:
     adam = types.AdamParams(learning_rate=args.lr)
     samples: dict[str, list[dict]] = {"server_side": [], "client_side": []}
     with tempfile.TemporaryDirectory() as tmp:
-        server = start_server(args.port, f"{tmp}/server", args.dtype)
+        server = start_server(MODEL, args.port, f"{tmp}/server", "--dtype", args.dtype)
         try:
             service = tinker.ServiceClient(
                 base_url=f"http://127.0.0.1:{args.port}", api_key=API_KEY

@@ -16,17 +16,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from datetime import date
 from pathlib import Path
 
-import httpx
 import numpy as np
-import torch
 from _machine import machine_info, resolve_dtype
+from _server import start_server
 from tinker import types
 
 from skyrl_trainer.backend.clients import ServiceClient
@@ -97,24 +94,6 @@ def rl_step(tc, tokenizer, args, step: int) -> dict:
     return times
 
 
-def start_server(port: int, storage: str, threads: int) -> subprocess.Popen:
-    env = {**os.environ, "TINKER_TELEMETRY": "0"}
-    command = [
-        sys.executable, "-m", "skyrl_trainer.server", "--base-model", MODEL, "--port", str(port),
-        "--storage-dir", storage, "--sampling-engine", "torch", "--log-level", "warning",
-    ]  # fmt: skip
-    process = subprocess.Popen(command, env=env)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/api/v1/healthz", timeout=1).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    process.kill()
-    raise RuntimeError("server did not start")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
@@ -129,7 +108,7 @@ def main() -> None:
     import tinker
 
     with tempfile.TemporaryDirectory() as tmp:
-        server = start_server(args.port, f"{tmp}/server", torch.get_num_threads())
+        server = start_server(MODEL, args.port, f"{tmp}/server")
         try:
             remote = tinker.ServiceClient(base_url=f"http://127.0.0.1:{args.port}", api_key=API_KEY)
             local = ServiceClient(
