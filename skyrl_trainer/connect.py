@@ -100,24 +100,14 @@ _MARKER = ".skyrl_tokenizer"
 def training_tokenizer(training_client, base_model: str):
     """The tokenizer of the model `training_client` trains. A remote server names its models
     and never says where they live: the SDK loads the tokenizer by that name (a hub repository),
-    which fails offline or for a folder the server serves under its own name. Then the server's
-    copy is installed into the local hub cache (`install_tokenizer`) and loaded; failing that,
-    the tokenizer of `base_model` as configured here (the same model, resolved locally)."""
+    which fails offline or for a folder the server serves under its own name. Then the
+    tokenizer of `base_model` as configured here is loaded (the same model, resolved locally;
+    `install_tokenizer` is for SDK programs that have no local copy)."""
     try:
         return training_client.get_tokenizer()
     except (OSError, ValueError) as sdk_error:
         from skyrl_trainer.backend.model_loading import load_tokenizer, resolve_model_dir
 
-        holder = getattr(training_client, "holder", None)
-        if holder is not None and getattr(holder, "_base_url", None):
-            try:
-                model_name = training_client.get_info().model_data.model_name
-                tokenizer_id = install_tokenizer(holder._base_url, holder._api_key, model_name)
-                from transformers import AutoTokenizer
-
-                return AutoTokenizer.from_pretrained(tokenizer_id, local_files_only=True)
-            except Exception:
-                pass  # an older server, or not ours: resolve the model here
         try:
             return load_tokenizer(resolve_model_dir(base_model))
         except Exception as exc:

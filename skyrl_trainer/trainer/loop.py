@@ -69,8 +69,6 @@ class RLTrainer:
         """Run (0-based) step `step`; returns its metrics."""
         run, start = self.run_state, time.monotonic()
         batch = self.source.next_batch(step)
-        if step == self.cfg.steps - 1 and isinstance(self.source, StreamingBatches):
-            self.source.stop_admitting()
         metrics = rollout_metrics(batch)
         metrics.update(self.source.metrics(batch, step))
         if self.cfg.logging.save_trajectories:

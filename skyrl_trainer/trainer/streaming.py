@@ -22,8 +22,13 @@ from contextlib import nullcontext
 
 from skyrl_trainer.trainer.advantages import is_zero_variance
 from skyrl_trainer.trainer.collect import Batch, sampling_params
-from skyrl_trainer.trainer.pipeline import POLL_S, IdleClock, PipelineClosed, staleness_metrics
-from skyrl_trainer.trainer.pipeline import stamp as stamp_version
+from skyrl_trainer.trainer.pipeline import (
+    POLL_S,
+    IdleClock,
+    PipelineClosed,
+    staleness_metrics,
+    stamp,
+)
 from skyrl_trainer.trainer.rollouts import RolloutsStopped, sample_seed
 
 MAX_WORKERS = 64
@@ -120,7 +125,7 @@ class StreamingBatches:
                     self._cond.notify_all()
                 return
             group.index = index
-            stamp_version([group], version)
+            stamp([group], version)
             with self._cond:
                 del self._in_flight[index]
                 self._finished.append(group)
@@ -158,14 +163,11 @@ class StreamingBatches:
                         continue
                 batch.groups.append(group)
             self._taken = len(batch.groups)
+            if step == self.run.cfg.steps - 1:
+                self._admitting = False  # the last step has its batch: start no more groups
             self._cond.notify_all()
         batch.seconds = batch.wait_s = time.monotonic() - start
         return batch
-
-    def stop_admitting(self) -> None:
-        """No new groups (the last step has its batch)."""
-        with self._cond:
-            self._admitting = False
 
     def checkpoint_state(self, steps_done: int):
         """The stream position, finished-but-untrained groups, and the problems in flight (with
