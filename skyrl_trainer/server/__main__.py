@@ -61,7 +61,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str]:
         "--housekeeping-interval",
         type=float,
         default=defaults.housekeeping_interval_s,
-        help="seconds between removals of expired checkpoints and old results",
+        help="seconds between removals of expired checkpoints and old results, and checks "
+        "for silent sessions",
+    )
+    p.add_argument(
+        "--session-expiry",
+        type=float,
+        default=defaults.session_expiry_s,
+        help="seconds without a heartbeat after which a session's sampling requests are "
+        "cancelled (the SDK beats every 10 s)",
     )
     p.add_argument(
         "--sequencer-gap-timeout",
@@ -93,6 +101,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str]:
         api_keys=[k.strip() for k in keys],
         allow_unauthenticated_remote=args.allow_unauthenticated_remote,
         housekeeping_interval_s=args.housekeeping_interval,
+        session_expiry_s=args.session_expiry,
         sequencer_gap_timeout_s=args.sequencer_gap_timeout,
         database=args.database,
         limits=ServerLimits(

@@ -3,7 +3,8 @@
 `create_app` wires the routes to one `BackendCore` (the same core the in-process clients
 use), the SQLite database and the future tracker. On start-up, futures left pending by a
 previous process are failed (they can never complete); a housekeeping task removes expired
-checkpoints and old results.
+checkpoints and old results, and cancels the sampling requests of sessions whose client stopped
+sending heartbeats.
 """
 
 from __future__ import annotations
@@ -42,11 +43,33 @@ _RESTARTED = json.dumps(
 
 
 def housekeeping(state: ServerState) -> None:
-    """Remove expired checkpoints and results older than the retention period."""
+    """Remove expired checkpoints and results older than the retention period; cancel the
+    sampling requests of sessions whose client went away."""
     removed = checkpoint_routes.remove_expired_checkpoints(state)
     purged = state.db.purge_futures(time.time() - state.config.future_retention_s)
     if removed or purged:
         logger.info("housekeeping: %d expired checkpoints, %d old results removed", removed, purged)
+    cancel_requests_of_silent_sessions(state)
+
+
+def cancel_requests_of_silent_sessions(state: ServerState) -> int:
+    """A client that dies (killed, crashed, machine gone) never cancels its futures; without
+    this its sampling requests would hold engine rows until they finish. Its session's
+    heartbeat stops, so after `session_expiry_s` they are cancelled (they end failed with a
+    'cancelled' error, as a `cancel_future` would leave them)."""
+    cutoff = time.time() - state.config.session_expiry_s
+    silent = set()
+    for session_id in state.tracker.running_sessions():
+        row = state.db.session(session_id)
+        if row is not None and row["last_heartbeat"] < cutoff:
+            silent.add(session_id)
+    cancelled = state.tracker.cancel_sessions(silent) if silent else 0
+    if cancelled:
+        logger.warning(
+            "cancelled %d sampling requests of %d sessions with no heartbeat for %.0f s",
+            cancelled, len(silent), state.config.session_expiry_s,
+        )  # fmt: skip
+    return cancelled
 
 
 async def _housekeeping_loop(state: ServerState) -> None:

@@ -44,8 +44,12 @@ class ServerConfig:
     sequencer_gap_timeout_s: float = 30.0
     """A training request that arrives before a lower `seq_id` of its model waits this long
     for the gap to fill, then runs anyway."""
-    housekeeping_interval_s: float = 60.0
-    """How often expired checkpoints and old futures are removed."""
+    housekeeping_interval_s: float = 15.0
+    """How often expired checkpoints and old futures are removed, and silent sessions' sampling
+    requests cancelled."""
+    session_expiry_s: float = 60.0
+    """A session whose SDK heartbeat (every 10 s) is older than this has gone away: its
+    unfinished sampling requests are cancelled, freeing their engine rows."""
     limits: ServerLimits = field(default_factory=ServerLimits)
     backend: BackendConfig = field(default_factory=BackendConfig)
 
@@ -75,6 +79,10 @@ class ServerConfig:
         BaseModelCatalog(self.backend.base_models, served_only=True)  # names, no loading
         if self.housekeeping_interval_s <= 0:
             raise ValueError("housekeeping_interval_s must be positive")
+        if self.session_expiry_s < 30:
+            raise ValueError(
+                "session_expiry_s must be at least 30: the SDK sends a heartbeat every 10 s"
+            )
         if not 0 < self.retrieve_wait_s < 40:
             raise ValueError("retrieve_wait_s must be in (0, 40): the SDK times out at 45 s")
 

@@ -26,7 +26,11 @@ JSON = "application/json"
 PROTOBUF = "application/x-protobuf"
 Encoder = Callable[[Any], tuple[str, bytes]]
 CANCELLED = json.dumps(
-    {"error": "the request was cancelled (cancel_future) before it finished", "category": "user"}
+    {
+        "error": "the request was cancelled before it finished (cancel_future, or its session "
+        "sent no heartbeat for session_expiry_s)",
+        "category": "user",
+    }
 ).encode()
 
 
@@ -60,6 +64,7 @@ class FutureTracker:
         self.redact = redact
         self._events: dict[str, asyncio.Event] = {}
         self._running: dict[str, Future] = {}  # attached backend futures not yet finished
+        self._session_of: dict[str, str] = {}  # running request id -> the session it serves
         self._running_lock = threading.Lock()
 
     def register(self, owner: str, request_type: str, model_id: str | None = None) -> str:
@@ -67,10 +72,15 @@ class FutureTracker:
         self.db.add_future(request_id, owner, request_type, model_id)
         return request_id
 
-    def attach(self, request_id: str, future: Future, encode: Encoder) -> None:
-        """Store `future`'s outcome under `request_id` when it finishes."""
+    def attach(
+        self, request_id: str, future: Future, encode: Encoder, session_id: str | None = None
+    ) -> None:
+        """Store `future`'s outcome under `request_id` when it finishes. `session_id`: the
+        session whose going away cancels it (`cancel_sessions`)."""
         with self._running_lock:
             self._running[request_id] = future
+            if session_id is not None:
+                self._session_of[request_id] = session_id
         future.add_done_callback(lambda done: self._finish(request_id, done, encode))
 
     def cancel(self, request_id: str) -> bool:
@@ -81,6 +91,17 @@ class FutureTracker:
             future = self._running.get(request_id)
         return future is not None and future.cancel()
 
+    def running_sessions(self) -> set[str]:
+        """The sessions that have cancellable requests running."""
+        with self._running_lock:
+            return set(self._session_of.values())
+
+    def cancel_sessions(self, session_ids: set[str]) -> int:
+        """Cancel the running requests attached to any of `session_ids`; how many were."""
+        with self._running_lock:
+            ids = [r for r, s in self._session_of.items() if s in session_ids]
+        return sum(self.cancel(r) for r in ids)
+
     def fail(self, request_id: str, exc: BaseException) -> None:
         self.db.finish_future(request_id, FAILED, JSON, error_payload(exc, self.redact))
         self.loop.call_soon_threadsafe(self._wake, request_id)
@@ -88,6 +109,7 @@ class FutureTracker:
     def _finish(self, request_id: str, done: Future, encode: Encoder) -> None:
         with self._running_lock:
             self._running.pop(request_id, None)
+            self._session_of.pop(request_id, None)
         try:
             content_type, payload = encode(done.result())
             status = COMPLETE

@@ -70,8 +70,9 @@ async def asample(request: Request, owner: str = Depends(authenticate)):
             "sampling_params.max_tokens",
             f"{max_tokens} is over the limit of {limits.max_tokens}",
         )
+    session_id = None  # a request made without a sampling session expires with nothing
     if body.sampling_session_id is not None:
-        state.sampler(owner, body.sampling_session_id)
+        session_id = state.sampler(owner, body.sampling_session_id)["session_id"]
         sampler_id = body.sampling_session_id
     else:
         sampler_id = await _new_sampler(state, owner, None, body.model_path, body.base_model)
@@ -95,6 +96,7 @@ async def asample(request: Request, owner: str = Depends(authenticate)):
                 prompt_logprobs_last_n=body.prompt_logprobs_last_n,
             ),
             lambda response: (PROTOBUF, encode_sample_response(response)),
+            session_id=session_id,
         )
         ids = [f"{request_id}:{i}" for i in range(body.num_samples)]
         return future_response(request_id, sample_sequence_ids=ids)

@@ -128,9 +128,11 @@ class ServerState:
         encode: Encoder,
         model_id: str | None = None,
         seq_id: int | None = None,
+        session_id: str | None = None,
     ) -> str:
         """Register a request, then start it (in `seq_id` order for a model); its result or
-        error reaches the database. Returns the request id at once."""
+        error reaches the database. Returns the request id at once. `session_id`: cancel the
+        request if that session stops sending heartbeats (sampling requests)."""
         self.check_capacity(owner)
         request_id = self.tracker.register(owner, request_type, model_id)
 
@@ -140,7 +142,7 @@ class ServerState:
             except Exception as exc:
                 self.tracker.fail(request_id, exc)
                 return
-            self.tracker.attach(request_id, future, encode)
+            self.tracker.attach(request_id, future, encode, session_id)
 
         if model_id is not None:
             self.db.touch_model(model_id)

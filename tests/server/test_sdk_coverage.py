@@ -4,7 +4,8 @@ name, never silently ignored.
 - create_sampling_client(model_path=..., base_model=...) with both (the SDK sends both);
 - get_tokenizer() from a machine that has neither the server's folders nor the Hub, and no
   server path in any response;
-- the SDK's sampling cancellation (dynamic config + cancel_future) frees the engine;
+- the SDK's sampling cancellation (dynamic config + cancel_future) frees the engine, and so does
+  a client's death (its session's heartbeat stops);
 - record_stability_info, provenance spans and access_scope;
 - every unsupported route answers with a JSON refusal (no bare 405); search_sessions works.
 
@@ -297,6 +298,39 @@ def test_abandoned_sample_frees_the_engine(server, monkeypatch):
         if r["status"] == "failed"
     ]
     assert any(b"cancelled" in r["payload"] for r in failed)
+
+
+def test_sampling_of_a_session_without_heartbeats_is_cancelled(server, monkeypatch):
+    """A client killed mid-request cancels nothing itself: once its session's heartbeat is
+    older than session_expiry_s, housekeeping cancels its running samples (engine rows freed,
+    future failed 'cancelled'); a session that still beats keeps its requests."""
+    from skyrl_trainer.server.app import housekeeping
+
+    service = server.service_client()
+    sampler = service.create_sampling_client(base_model="other").result()
+    prompt = types.ModelInput.from_ints(PROMPT)
+    sampler.sample(prompt, 1, types.SamplingParams(max_tokens=1)).result()  # engine up
+    engine = server.core.samplers.engine(sampler._sampling_session_id)
+    decode = engine.runner.decode
+    monkeypatch.setattr(engine.runner, "decode", lambda group: (time.sleep(0.02), decode(group)))
+    session_id = server.state.db.sampler(sampler._sampling_session_id)["session_id"]
+    long_request = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=500, stop=[]))
+    assert wait_until(lambda: engine._num_rows() == 1)
+
+    housekeeping(server.state)  # the session is alive: nothing is cancelled
+    assert engine._num_rows() == 1 and session_id in server.state.tracker.running_sessions()
+
+    expiry = server.state.config.session_expiry_s
+    with server.state.db._writing() as db:  # the client died expiry + 1 s ago
+        db.execute(
+            "UPDATE sessions SET last_heartbeat = ? WHERE session_id = ?",
+            (time.time() - expiry - 1, session_id),
+        )
+    housekeeping(server.state)
+    assert wait_until(lambda: engine._num_rows() == 0), "the silent session's rows stayed"
+    with pytest.raises(tinker.RequestFailedError, match="cancelled.*no heartbeat"):
+        long_request.result(timeout=30)
+    assert session_id not in server.state.tracker.running_sessions()
 
 
 def test_engine_cancel_of_queued_and_running_requests(tiny_model_dir):
