@@ -3,7 +3,8 @@
 Run by setup_cookbook.sh (with HF_HOME=<cache>/hf HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1) in the cookbook
 venv: the same tokenizer, renderer and dataset calls as the loops, then the datums they build from
 fake server outputs (sl_loop: conversation_to_datum + compute_mean_nll/compute_bpb; rl_loop:
-parse_response + get_reward + the stable_reinforce provenance spans).
+parse_response + get_reward + the stable_reinforce provenance spans), and the data the DPO and
+on-policy distillation recipes load.
 """
 
 import sys
@@ -72,4 +73,15 @@ with_sampled_provenance(datum, prompt.length, len(sampled), "seq-0")
 print(
     f"rl_loop: gsm8k {rl.num_rows}; prompt {prompt.length} tokens; parse={termination.value} reward={reward}"
 )
+
+# The DPO recipe's hhh comparisons and on-policy distillation's deepmath prompts (stand-ins)
+from tinker_cookbook.distillation.datasets import load_deepmath_prompts
+from tinker_cookbook.recipes.preference.datasets import HHHComparisonBuilder
+
+hhh_train, hhh_test = HHHComparisonBuilder().get_train_and_test_datasets()
+comparison = HHHComparisonBuilder().example_to_labeled_comparison(hhh_train[0])
+assert comparison is not None, hhh_train[0]
+deepmath = load_deepmath_prompts("train")
+assert deepmath, "no deepmath prompts"
+print(f"dpo: hh-rlhf stand-in {len(hhh_train)} train pairs; distillation: {len(deepmath)} deepmath prompts")
 print("offline check passed")

@@ -19,6 +19,9 @@ What it writes (idempotent: an entry whose inputs did not change is left alone):
   HuggingFaceH4/no_robots in its schema (prompt, prompt_id, messages=[{content, role}], category), made
   from GSM8K: one user turn (the question) and one assistant turn (the worked answer) per row. It is NOT
   the real No Robots data, which cannot be fetched here.
+* The same for Anthropic/hh-rlhf (the DPO recipe's `hhh` dataset: chosen = the GSM8K worked answer,
+  rejected = the next question's answer) and zwhe99/DeepMath-103K (on-policy distillation's `deepmath`
+  prompts: the GSM8K questions). Stand-ins too, not the real data.
 """
 
 from __future__ import annotations
@@ -225,6 +228,80 @@ def prepare_no_robots_standin(datasets_dir: Path, gsm8k_dir: Path) -> None:
         )
 
 
+def _write_standin(
+    datasets_dir: Path,
+    gsm8k_dir: Path,
+    repo_id: str,
+    config_name: str,
+    features,
+    rows_for_split,  # (split name, list of GSM8K rows) -> list of stand-in rows
+    tag: str = "",  # change it when rows_for_split changes, to rebuild the entry
+) -> None:
+    """A `datasets` cache entry for repo_id built from the GSM8K jsonl files by rows_for_split."""
+    files = {s: gsm8k_dir / f"{s}.jsonl" for s in ("train", "test")}
+    source_hash = _sha1_files(list(files.values()), f"{repo_id}-from-gsm8k{tag}")
+    with tempfile.TemporaryDirectory(prefix="standin_src-") as tmp:
+        data_files = {}
+        for split, src in files.items():
+            rows = [json.loads(line) for line in src.read_text().splitlines() if line.strip()]
+            dst = Path(tmp) / f"{split}.jsonl"
+            dst.write_text("".join(json.dumps(r) + "\n" for r in rows_for_split(split, rows)))
+            data_files[split] = str(dst)
+        _build_dataset(datasets_dir, repo_id, config_name, data_files, features, source_hash)
+
+
+def _final_answer(gsm8k_answer: str) -> str:
+    return gsm8k_answer.split("####")[-1].strip()
+
+
+def prepare_hh_rlhf_standin(datasets_dir: Path, gsm8k_dir: Path) -> None:
+    """Anthropic/hh-rlhf's schema (chosen/rejected transcripts sharing every turn but the last):
+    the chosen reply is the GSM8K worked answer, the rejected one the answer to the next question.
+    The test split keeps 16 pairs: the recipe evaluates on it at step 0 and at the last step, one
+    compute_logprobs per sequence (the real test split would be 2,048 of them per evaluation)."""
+    import datasets
+
+    def rows(split, gsm8k):
+        gsm8k = gsm8k[:16] if split == "test" else gsm8k
+        out = []
+        for i, row in enumerate(gsm8k):
+            wrong = gsm8k[(i + 1) % len(gsm8k)]["answer"]
+            prompt = f"\n\nHuman: {row['question']}\n\nAssistant:"
+            out.append({"chosen": f"{prompt} {row['answer']}", "rejected": f"{prompt} {wrong}"})
+        return out
+
+    features = datasets.Features(
+        {"chosen": datasets.Value("string"), "rejected": datasets.Value("string")}
+    )
+    _write_standin(datasets_dir, gsm8k_dir, "Anthropic/hh-rlhf", "default", features, rows, tag="test16")
+
+
+def prepare_deepmath_standin(datasets_dir: Path, gsm8k_dir: Path) -> None:
+    """zwhe99/DeepMath-103K's columns that the cookbook reads (question, final_answer), from GSM8K."""
+    import datasets
+
+    def rows(split, gsm8k):
+        return [
+            {
+                "question": r["question"],
+                "final_answer": _final_answer(r["answer"]),
+                "difficulty": 1.0,
+                "topic": "Mathematics -> Applied Mathematics -> Math Word Problems",
+            }
+            for r in gsm8k
+        ]
+
+    features = datasets.Features(
+        {
+            "question": datasets.Value("string"),
+            "final_answer": datasets.Value("string"),
+            "difficulty": datasets.Value("float64"),
+            "topic": datasets.Value("string"),
+        }
+    )
+    _write_standin(datasets_dir, gsm8k_dir, "zwhe99/DeepMath-103K", "default", features, rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -251,6 +328,8 @@ def main() -> None:
         prepare_hub_repo(hub_dir, repo_id, args.model_dir.resolve(), not args.no_weights)
     prepare_gsm8k(datasets_dir, args.gsm8k_dir.resolve())
     prepare_no_robots_standin(datasets_dir, args.gsm8k_dir.resolve())
+    prepare_hh_rlhf_standin(datasets_dir, args.gsm8k_dir.resolve())
+    prepare_deepmath_standin(datasets_dir, args.gsm8k_dir.resolve())
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@
 #                                                     torch 2.13.0 CPU, the cookbook's math-rl extra
 #   $COOKBOOK_CACHE (default <repo>/.cache-cookbook) hf/ = HF_HOME for the loops: hub cache with SmolLM2's
 #                                                     tokenizer (+ weights) under $COOKBOOK_MODEL_NAME, and
-#                                                     datasets caches for openai/gsm8k and a no_robots stand-in
+#                                                     datasets caches for openai/gsm8k and stand-ins for
+#                                                     no_robots, hh-rlhf and DeepMath-103K (from GSM8K)
 #
 # Environment knobs (all optional):
 #   COOKBOOK_VENV, COOKBOOK_CACHE  the two paths above
