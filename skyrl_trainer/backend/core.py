@@ -80,11 +80,6 @@ RECORD_STABILITY_INFO_REFUSAL = (
     "loss, which it does not implement; create the sampling client with "
     "record_stability_info=False (the default)"
 )
-PROVENANCE_REFUSAL = (
-    "provenance spans (Datum.with_provenance) are not supported by this backend: they point "
-    "the stable_reinforce loss at server-side stability records, and it implements neither; "
-    "send the datum without provenance"
-)
 
 
 def check_record_stability_info(record_stability_info: bool | None) -> None:
@@ -93,12 +88,41 @@ def check_record_stability_info(record_stability_info: bool | None) -> None:
         raise InvalidRequestError("record_stability_info", RECORD_STABILITY_INFO_REFUSAL)
 
 
-def check_no_provenance(data: Sequence[types.Datum]) -> None:
-    """Refuse datums carrying provenance spans (they would be silently ignored)."""
+def check_provenance(data: Sequence[types.Datum]) -> None:
+    """Refuse malformed provenance spans (`Datum.with_provenance`), naming the field.
+
+    Provenance says which sampled sequence or prompt each token came from. Only the
+    stable_reinforce loss reads it (and that loss is refused by name); every other loss is
+    defined on the tokens alone, so well-formed spans change nothing, as on the Tinker service.
+    The tinker-cookbook's RL framework attaches them to every datum it builds."""
     for i, datum in enumerate(data):
-        for name in ("model_input_spans", "loss_fn_input_spans"):
-            if getattr(datum, name, None):
-                raise InvalidRequestError(f"data[{i}].{name}", PROVENANCE_REFUSAL)
+        inputs, targets = datum.model_input_spans, datum.loss_fn_input_spans
+        if (inputs is None) != (targets is None):
+            missing = "model_input_spans" if inputs is None else "loss_fn_input_spans"
+            raise InvalidRequestError(
+                f"data[{i}].{missing}", "provenance comes as a pair: set both span lists or neither"
+            )
+        if inputs is None:
+            continue
+        tiled = [("model_input_spans", inputs, datum.model_input.length)]
+        if "target_tokens" in datum.loss_fn_inputs:
+            tiled.append(
+                ("loss_fn_input_spans", targets, _positions(datum.loss_fn_inputs["target_tokens"]))
+            )
+        for name, spans, length in tiled:
+            covered = sum(span.length for span in spans)
+            if covered != length:
+                raise InvalidRequestError(
+                    f"data[{i}].{name}",
+                    f"the spans cover {covered} positions but the field has {length}; "
+                    "the runs must tile it exactly (see Datum.with_provenance)",
+                )
+
+
+def _positions(tensor: Any) -> int:
+    """Length of the first dimension of a loss_fn_inputs value (TensorData or a list)."""
+    shape = getattr(tensor, "shape", None)
+    return int(shape[0]) if shape else len(getattr(tensor, "data", tensor))
 
 
 def _output(logprobs: list[torch.Tensor], metrics: dict[str, float]) -> types.ForwardBackwardOutput:
@@ -396,7 +420,7 @@ class BackendCore:
         `loss_fn="custom"` with `{"loss_id": ...}` runs a loss uploaded with
         `create_custom_loss` (`_forward_backward_graph`)."""
         try:
-            check_no_provenance(data)
+            check_provenance(data)
         except InvalidRequestError as exc:
             return failed(exc)
         if loss_fn == "custom":
@@ -426,7 +450,7 @@ class BackendCore:
         `surrogate_loss:sum`.
         """
         try:
-            check_no_provenance(data)
+            check_provenance(data)
         except InvalidRequestError as exc:
             return failed(exc)
 

@@ -147,7 +147,7 @@ def _datum(msg: public_pb.Datum, field: str) -> types.Datum:
     }
     datum = types.Datum(model_input=types.ModelInput(chunks=chunks), loss_fn_inputs=inputs)
     if len(msg.model_input_spans) or len(msg.loss_fn_input_spans):
-        # Decoded, not dropped: the backend refuses them by name (core.check_no_provenance).
+        # Decoded, not dropped: the backend checks that they tile their fields (core.check_provenance).
         datum = replace(
             datum,
             model_input_spans=_spans(msg.model_input_spans, f"{field}.model_input_spans"),

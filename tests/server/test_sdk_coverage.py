@@ -6,7 +6,7 @@ name, never silently ignored.
   server path in any response;
 - the SDK's sampling cancellation (dynamic config + cancel_future) frees the engine, and so does
   a client's death (its session's heartbeat stops);
-- record_stability_info, provenance spans and access_scope;
+- record_stability_info and access_scope; provenance spans checked (only stable_reinforce reads them);
 - every unsupported route answers with a JSON refusal (no bare 405); search_sessions works.
 
 One server runs inside this process (uvicorn on a thread, tiny model, PyTorch engine), so the
@@ -22,6 +22,7 @@ import json
 import threading
 import time
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -404,23 +405,48 @@ def test_in_process_clients_refuse_and_accept_alike(server, trained):
     with pytest.raises(InvalidRequestError, match="record_stability_info"):
         tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
     n = len(PROMPT) - 1
-    spanned = datum.with_provenance(
-        model_input=[types.PromptProvenanceSpan(sequence_id="s:0", length=n)],
-        loss_fn_inputs=[types.PromptProvenanceSpan(sequence_id="s:0", length=n)],
+    miscounted = replace(
+        datum,
+        model_input_spans=[types.PromptProvenanceSpan(sequence_id="s:0", length=n + 1)],
+        loss_fn_input_spans=[types.PromptProvenanceSpan(sequence_id="s:0", length=n)],
     )
     with pytest.raises(InvalidRequestError, match="model_input_spans"):
-        tc.forward_backward([spanned], "cross_entropy").result()
+        tc.forward_backward([miscounted], "cross_entropy").result()
 
 
-def test_provenance_spans_are_refused_by_name(server, trained):
+def test_provenance_spans_are_checked_and_change_nothing(server, trained):
+    """Well-formed spans (the cookbook's RL framework attaches them to every datum) give the
+    same result as none: only stable_reinforce reads them, and it is refused by name. Spans
+    that do not tile their field, or only one of the pair, are refused naming the field."""
     _, tc, _, datum = trained
     n = len(PROMPT) - 1
     spanned = datum.with_provenance(
-        model_input=[types.PromptProvenanceSpan(sequence_id="s:0", length=n)],
+        model_input=[
+            types.PromptProvenanceSpan(sequence_id="s:0", length=3),
+            types.SampledProvenanceSpan(sequence_id="s:0", length=n - 3),
+        ],
         loss_fn_inputs=[types.SampledProvenanceSpan(sequence_id="s:0", length=n)],
     )
-    with pytest.raises(tinker.RequestFailedError, match=r"data\[1\]\.model_input_spans"):
-        tc.forward_backward([datum, spanned], "cross_entropy").result()
+    plain = tc.forward([datum], "cross_entropy").result()
+    with_spans = tc.forward([spanned], "cross_entropy").result()
+    assert with_spans.metrics["loss:sum"] == plain.metrics["loss:sum"] > 0
+    assert (
+        with_spans.loss_fn_outputs[0]["logprobs"].data == plain.loss_fn_outputs[0]["logprobs"].data
+    )
+
+    short = replace(
+        spanned, loss_fn_input_spans=[types.SampledProvenanceSpan(sequence_id="s:0", length=n - 1)]
+    )
+    with pytest.raises(tinker.RequestFailedError, match=r"data\[1\]\.loss_fn_input_spans.*tile"):
+        tc.forward_backward([datum, short], "cross_entropy").result()
+    # one list without the other (the SDK's Datum refuses that; a hand-made request need not)
+    from skyrl_trainer.backend.core import check_provenance
+    from skyrl_trainer.backend.errors import InvalidRequestError
+
+    one_sided = replace(datum)
+    object.__setattr__(one_sided, "model_input_spans", spanned.model_input_spans)
+    with pytest.raises(InvalidRequestError, match=r"data\[0\]\.loss_fn_input_spans.*pair"):
+        check_provenance([one_sided])
     # refused before any work: the model's next request runs normally
     assert tc.forward([datum], "cross_entropy").result().metrics["loss:sum"] > 0
 
