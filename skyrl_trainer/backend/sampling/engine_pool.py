@@ -12,6 +12,11 @@ engine; the registry and the core cannot tell them apart. What the pool promises
   batch composition (~1e-6 in float32 log-probs) can move an inverse-CDF sample to a neighbouring
   token on near-uniform distributions; each request alone (max_batch_size <= num_samples) is exact.
   Results are concurrent Futures, like the in-process engines'.
+- cancelling: `cancel(future)` stops a request of `generate*`: the future ends cancelled at once,
+  and its engine drops it (`ray_engine.EngineActor.cancel_request`): a request still waiting for
+  its turn on the actor is never queued, one in the engine leaves its queue or its batch before the
+  next decode step; its rows stop counting as load when the engine has let it go. False if it had
+  already finished.
 - syncs: `update_weights`, `add_lora` and `remove_lora` reach every live engine before they return,
   so any engine can serve any session. Full weights are put once in the Ray object store
   (`ray.put`, on CPU in the sampling dtype) and each actor loads them from there; or, with
@@ -38,7 +43,7 @@ import hashlib
 import logging
 import threading
 from collections.abc import Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +88,7 @@ class EnginePool:
         self._submit_lock = threading.Lock()  # sequence numbers: issue order = turn order
         self._seqs = [0] * n
         self._loads = [0] * n  # rows (samples) in flight per engine
+        self._in_flight: dict[Future, tuple[int, int]] = {}  # unfinished future -> (engine, seq)
         self.requests_per_engine = [0] * n
         self._dead: dict[int, str] = {}
         self._sync_lock = threading.Lock()  # broadcast updates share one process group
@@ -143,12 +149,16 @@ class EnginePool:
             return live
 
     def _submit(self, index: int, method: str, *args: Any) -> ray.ObjectRef:
+        return self._submit_numbered(index, method, *args)[0]
+
+    def _submit_numbered(self, index: int, method: str, *args: Any) -> tuple[ray.ObjectRef, int]:
+        """Call `method` on engine `index` with the next turn number; the ref and that number."""
         with self._submit_lock:
             seq = self._seqs[index]
             self._seqs[index] += 1
             actor = self._actors[index]
             try:
-                return getattr(actor, method).remote(seq, *args)
+                return getattr(actor, method).remote(seq, *args), seq
             except BaseException:
                 actor.skip.remote(seq)  # the actor must not wait for this turn
                 raise
@@ -204,20 +214,40 @@ class EnginePool:
         def done(ref_future: Future) -> None:
             with self._lock:
                 self._loads[index] -= rows
+                self._in_flight.pop(out, None)
             if out.cancelled():
-                return
-            try:
-                result = ref_future.result()
-            except ray.exceptions.RayActorError as exc:
-                why = self._mark_dead(index, f"died: {brief(exc)}")
-                out.set_exception(EngineDiedError(f"{why} (this request was on it)"))
-            except BaseException as exc:
-                out.set_exception(cause_of(exc))
-            else:
-                out.set_result(result)
+                return  # a cancelled request's actor call returns None
+            with contextlib.suppress(InvalidStateError):  # cancelled since the check above
+                try:
+                    result = ref_future.result()
+                except ray.exceptions.RayActorError as exc:
+                    why = self._mark_dead(index, f"died: {brief(exc)}")
+                    out.set_exception(EngineDiedError(f"{why} (this request was on it)"))
+                except BaseException as exc:
+                    out.set_exception(cause_of(exc))
+                else:
+                    out.set_result(result)
 
-        self._submit(index, "generate", request).future().add_done_callback(done)
+        ref, seq = self._submit_numbered(index, "generate", request)
+        with self._lock:
+            self._in_flight[out] = (index, seq)  # before `done` can run, which forgets it
+        ref.future().add_done_callback(done)
         return out
+
+    def cancel(self, future: Future[GenerationResult]) -> bool:
+        """Stop the request `future` (from `generate*`) stands for (see the module docstring):
+        the future is cancelled at once, the engine lets the request go soon after. False if it
+        had already finished."""
+        if not future.cancel():
+            return False
+        with self._lock:
+            where = self._in_flight.pop(future, None)  # None: cancelled before, or finishing
+        if where is not None:
+            index, seq = where
+            # Not numbered: it must overtake the generate call waiting for its turn or its result.
+            with contextlib.suppress(Exception):  # a dead engine drops its requests anyway
+                self._actors[index].cancel_request.remote(seq)
+        return True
 
     # ----- syncs --------------------------------------------------------------------------
 

@@ -15,6 +15,11 @@ What it promises:
 - `sleep` (colocated engines) uses the engine's own sleep mode where it has one (vLLM on GPU);
   the next request or sync wakes it first. The PyTorch engine has none: it only records the state.
 - Every result says which engine served it (`GenerationResult.extra["engine"]`).
+- `cancel_request(seq)` (not numbered: it must run while calls wait for their turn) stops the
+  `generate` numbered `seq`: one in the engine is cancelled there (`engine.cancel`: a queued request
+  leaves the engine's queue, a running one's rows leave its batch), one that has not had its turn
+  takes it without queuing anything (later calls must not wait for a turn never taken), a finished
+  one is left alone. A cancelled `generate` returns None.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -46,8 +52,17 @@ class EngineActor:
         self.engine = make_engine(Path(model_dir), config, lora=lora, sleep_mode=sleep_mode)
         self._next_seq = 0
         self._turns = asyncio.Condition()
+        self._in_engine: dict[int, Future] = {}  # seq -> engine future of a generate in flight
+        self._cancelled: set[int] = set()  # seqs `cancel_request` stopped, until generate sees it
         self._asleep = False
-        self._counts = {"requests": 0, "weight_updates": 0, "adapter_loads": 0, "sleeps": 0}
+        self._counts = {
+            "requests": 0,  # generate calls that reached the engine
+            "weight_updates": 0,
+            "adapter_loads": 0,
+            "sleeps": 0,
+            "cancelled_in_engine": 0,
+            "cancelled_before_turn": 0,
+        }
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self._scratch = Path(tempfile.mkdtemp(prefix=f"skyrl-engine{index}-", dir=shm))
         self._receiver = WeightReceiver()
@@ -60,7 +75,11 @@ class EngineActor:
         }
 
     def stats(self) -> dict:
-        return {**self._counts, "asleep": self._asleep}
+        out = {**self._counts, "asleep": self._asleep}
+        engine_stats = getattr(self.engine, "stats", None)  # the PyTorch engine counts tokens
+        if engine_stats is not None:
+            out["generated_tokens"] = engine_stats.generated_tokens
+        return out
 
     @contextlib.asynccontextmanager
     async def _turn(self, seq: int):
@@ -79,14 +98,45 @@ class EngineActor:
             await asyncio.to_thread(self.engine.wake_up)
             self._asleep = False
 
-    async def generate(self, seq: int, request: GenerationRequest) -> GenerationResult:
+    async def generate(self, seq: int, request: GenerationRequest) -> GenerationResult | None:
+        """The engine's result, or None when `cancel_request(seq)` stopped it."""
         async with self._turn(seq):
             await self._wake()
+            if seq in self._cancelled:  # cancelled before its turn: the turn passes, no request
+                self._cancelled.discard(seq)
+                return None
             future = self.engine.generate(request)  # queued in the engine in turn order
+            self._in_engine[seq] = future
             self._counts["requests"] += 1
-        result = await asyncio.wrap_future(future)
+        try:
+            result = await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            # asyncio turns the engine future's cancellation into this; a cancellation of the
+            # call itself (not ours) goes on up.
+            if seq in self._cancelled:
+                return None
+            raise
+        finally:
+            self._in_engine.pop(seq, None)
+            self._cancelled.discard(seq)
         result.extra["engine"] = self.index
         return result
+
+    async def cancel_request(self, seq: int) -> None:
+        """Stop the `generate` numbered `seq` (see the module docstring). Async, so it runs on
+        the event loop between `generate`'s steps and sees its state as it is."""
+        future = self._in_engine.get(seq)
+        if future is not None:
+            self._cancelled.add(seq)
+            # An engine without `cancel` can only drop a request still in its queue. False: it
+            # finished meanwhile, and generate returns its result (the pool ignores it).
+            stop = getattr(self.engine, "cancel", None) or (lambda f: f.cancel())
+            if stop(future):
+                self._counts["cancelled_in_engine"] += 1
+        elif seq >= self._next_seq:  # its turn is still to come (or under way, before queuing)
+            self._cancelled.add(seq)
+            self._counts["cancelled_before_turn"] += 1
+        # else: it finished; nothing to stop
 
     async def update_weights(self, seq: int, named_tensors: dict[str, torch.Tensor]) -> None:
         async with self._turn(seq):

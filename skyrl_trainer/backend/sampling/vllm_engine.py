@@ -13,6 +13,11 @@ the old weights and requests queued after it the new ones; loading a new adapter
 With `enable_sleep_mode` on GPU (colocated engines), `sleep()` frees the engine's GPU memory once the
 requests in flight have finished and `wake_up()` restores it; elsewhere both do nothing (untested on
 GPU here).
+`cancel(future)` stops a request of `generate`: one still queued here leaves the queue (its future is
+cancelled at once); one given to vLLM (running, or waiting in vLLM's scheduler) is aborted there
+(`abort_request`) by the engine thread before its next step, and its future ends with
+`CancelledError`. A request split by samples is stopped in all its parts. False if it had already
+finished.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,7 +145,9 @@ class VLLMSamplingEngine:
         self._queue: deque[_Queued | EngineControl] = deque()
         self._cond = threading.Condition()
         self._stopping = False
-        self._in_flight: dict[str, _Queued] = {}
+        self._in_flight: dict[str, _Queued] = {}  # our vLLM request id -> request
+        self._cancelled: set[Future] = set()  # given to vLLM, to abort before the next step
+        self._parts: dict[Future, list[Future]] = {}  # a split request's future -> its parts
         self._request_ids = itertools.count()
         self._lora_ids = itertools.count(1)
         self._adapters: dict[str, object] = {}  # name -> vllm LoRARequest (engine thread only)
@@ -179,8 +186,35 @@ class VLLMSamplingEngine:
             # Prompt log-probs run alone here (see `_runs_alone`): the samples go as separate
             # requests, and only the first computes the prompt log-probs.
             parts = [self._enqueue(part) for part in split_by_sample(request)]
-            return combined_result(parts, request.num_samples)
+            combined = combined_result(parts, request.num_samples)
+            self._parts[combined] = parts  # for `cancel`
+            combined.add_done_callback(lambda done: self._parts.pop(done, None))
+            return combined
         return self._enqueue(request)
+
+    def cancel(self, future: Future[GenerationResult]) -> bool:
+        """Stop the request `future` (from `generate`) stands for (see the module docstring).
+        False if it had already finished."""
+        parts = self._parts.get(future, [future])
+        dropped, marked = [], False
+        with self._cond:
+            if future.done():
+                return False
+            for part in parts:
+                queued = next(
+                    (q for q in self._queue if isinstance(q, _Queued) and q.future is part), None
+                )
+                if queued is not None:
+                    self._queue.remove(queued)
+                    dropped.append(part)
+                elif not part.done():  # given to vLLM, or taken by the engine thread to give
+                    self._cancelled.add(part)
+                    marked = True
+            if marked:
+                self._cond.notify()
+        for part in dropped:  # outside the lock: cancel() runs the futures' callbacks
+            part.cancel()
+        return bool(dropped) or marked
 
     def _enqueue(self, request: GenerationRequest) -> Future[GenerationResult]:
         future: Future[GenerationResult] = Future()
@@ -286,6 +320,7 @@ class VLLMSamplingEngine:
                             item.run()
                     else:
                         self._add(item)
+                self._abort_cancelled(engine)
                 if self._in_flight:
                     self._step(engine)
         except BaseException:
@@ -373,6 +408,25 @@ class VLLMSamplingEngine:
             return
         self._in_flight[request_id] = queued
 
+    def _abort_cancelled(self, engine) -> None:
+        """Abort in vLLM the requests `cancel` marked (everything taken from the queue has been
+        added by now, so each unfinished one is in `_in_flight`)."""
+        with self._cond:
+            if not self._cancelled:
+                return
+            cancelled, self._cancelled = self._cancelled, set()
+        ids = [rid for rid, queued in self._in_flight.items() if queued.future in cancelled]
+        if not ids:
+            return
+        # Our ids are the ones given to add_request (vLLM's "external" ids): vLLM aborts every
+        # request it made of one, the samples of an n > 1 request included.
+        try:
+            engine.abort_request(ids)
+        except Exception:  # vLLM finishes them instead; their outputs are ignored (`_step`)
+            logger.exception("vLLM abort_request failed for cancelled requests %s", ids)
+        for rid in ids:
+            self._in_flight.pop(rid).future.set_exception(CancelledError("cancelled"))
+
     def _step(self, engine) -> None:
         try:
             with _VLLM_LOCK:
@@ -381,7 +435,8 @@ class VLLMSamplingEngine:
             logger.exception("vLLM step failed; failing the requests in flight")
             in_flight = list(self._in_flight.items())
             self._in_flight.clear()
-            engine.abort_request([rid for rid, _ in in_flight], internal=True)
+            # Our ids are vLLM's external ones (it adds a random suffix to its internal ids).
+            engine.abort_request([rid for rid, _ in in_flight])
             for _, queued in in_flight:
                 queued.future.set_exception(exc)
             return

@@ -123,7 +123,9 @@ def child_seed(seed: int | None, index: int) -> int | None:
 def combined_result(
     parts: list[Future[GenerationResult]], num_samples: int
 ) -> Future[GenerationResult]:
-    """One future for the results of `parts` (a request split by samples), in order."""
+    """One future for the results of `parts` (a request split by samples), in order. It is
+    running from the start, so it cannot be cancelled itself: `VLLMSamplingEngine.cancel` cancels
+    the parts, and it ends with their `CancelledError` once the last of them has ended."""
     future: Future[GenerationResult] = Future()
     future.set_running_or_notify_cancel()
     remaining = [len(parts)]

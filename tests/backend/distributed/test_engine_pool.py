@@ -401,3 +401,54 @@ def test_one_engine_as_an_actor(ray_session, tiny_model_dir, local_engine, vocab
         assert_same_results(got, [local_engine.generate(r).result(60) for r in batch])
     finally:
         pool.shutdown()
+
+
+def wait_until(condition, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_cancel_frees_the_engine(ray_session, tiny_model_dir):
+    """`cancel` reaches the actor: a request still waiting for its turn there never reaches the
+    engine (and the calls after it still get theirs), one queued in the engine leaves the queue,
+    a running one stops decoding. One row at a time: a short request behind them is served next,
+    the engine decoded far fewer than a long request's tokens, and no load is left counted."""
+    config = SamplingConfig(**SAMPLING, num_engines=1, num_cpus_per_engine=0.25, max_batch_size=1)
+    pool = EnginePool(tiny_model_dir, config)
+    long = GenerationRequest((5, 6, 7), 1, GenerationParams(max_tokens=500, seed=1))
+    short = GenerationRequest((5, 6, 7), 1, GenerationParams(max_tokens=4, seed=2))
+
+    def stats() -> dict:
+        return pool.engine_stats()[0]
+
+    try:
+        # A turn the pool numbered but has not sent: the next call waits for it on the actor.
+        with pool._submit_lock:
+            held = pool._seqs[0]
+            pool._seqs[0] += 1
+        early = pool.generate_on(0, long)
+        assert pool.cancel(early) and early.cancelled()
+        assert wait_until(lambda: stats()["cancelled_before_turn"] == 1)
+        pool.actors[0].skip.remote(held)
+
+        running, queued = pool.generate_on(0, long), pool.generate_on(0, long)
+        assert wait_until(lambda: stats()["requests"] == 2 and stats()["generated_tokens"] > 0)
+        assert pool.cancel(queued) and pool.cancel(running)
+        assert queued.cancelled() and running.cancelled()
+        assert wait_until(lambda: stats()["cancelled_in_engine"] == 2)
+
+        served = pool.generate_on(0, short)
+        assert len(served.result(timeout=60).sequences[0].tokens) == 4
+        after = stats()
+        assert after["requests"] == 3  # `early` never reached the engine
+        assert after["generated_tokens"] - 4 < 250, after  # neither long one ran its 500
+        assert wait_until(lambda: pool._loads == [0] and not pool._in_flight)
+        assert not pool.cancel(served)  # finished: nothing to cancel
+        refused = pool.generate(GenerationRequest((10**9,), 1, short.params))
+        assert not pool.cancel(refused)  # failed at once (token out of vocabulary)
+    finally:
+        pool.shutdown()

@@ -5,6 +5,8 @@ and PEFT forwards."""
 from __future__ import annotations
 
 import threading
+import time
+from concurrent.futures import CancelledError
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from skyrl_trainer.backend.config import SamplingConfig
 from skyrl_trainer.backend.errors import InvalidRequestError, NotFoundError
 from skyrl_trainer.backend.model_loading import load_causal_lm
 from skyrl_trainer.backend.sampling import engine_factory, vllm_engine
+from skyrl_trainer.backend.sampling.engine_control import EngineControl
 from skyrl_trainer.backend.sampling.engine_factory import resolve_engine_kind
 from tests.backend.sampling.test_torch_engine import (
     TEXTS,
@@ -38,6 +41,15 @@ def run(engine, req):
 
 def prompt_logprobs(model, prompt) -> list[float]:
     return token_logprobs(model, prompt[:1], prompt[1:]).tolist()
+
+
+def wait_until(condition, timeout: float = TIMEOUT) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 @pytest.fixture(scope="module")
@@ -222,3 +234,61 @@ def test_engines_in_one_process_are_independent(tiny_model_dir, ref_model, promp
     finally:
         first.shutdown()
         second.shutdown()
+
+
+@pytestmark_vllm
+def test_cancel_of_queued_and_running_requests(tiny_model_dir, ref_model, prompts):
+    """A request still queued here (behind a weight update that waits for the running one) leaves
+    the queue; the running one is aborted in vLLM; the update and the next request go on."""
+    engine = make_engine(tiny_model_dir, max_batch_size=1)
+    try:
+        long = request(prompts[0], max_tokens=400, seed=1)
+        running = engine.generate(long)
+        assert wait_until(running.running)
+        same = {n: p.detach().clone() for n, p in ref_model.named_parameters()}
+        update = threading.Thread(target=engine.update_weights, args=(same,))
+        update.start()
+        assert wait_until(lambda: any(isinstance(i, EngineControl) for i in engine._queue))
+        queued = engine.generate(long)
+        assert engine.cancel(queued) and queued.cancelled()
+        assert engine.cancel(running)
+        with pytest.raises(CancelledError):
+            running.result(timeout=TIMEOUT)
+        assert engine.llm.llm_engine.get_num_unfinished_requests() == 0  # aborted in vLLM
+        update.join(TIMEOUT)
+        assert not update.is_alive()
+        short = engine.generate(request(prompts[1], max_tokens=4, temperature=0.0))
+        assert short.result(TIMEOUT).sequences[0].tokens == greedy_reference(
+            ref_model, prompts[1], 4
+        )
+        assert not engine._in_flight and not engine._queue
+        assert not engine.cancel(short) and not engine.cancel(running)  # finished already
+    finally:
+        engine.shutdown()
+
+
+@pytestmark_vllm
+def test_cancel_of_a_request_split_by_samples(lora_engine, adapters, prompts):
+    """Prompt log-probs with several samples under LoRA run as one request per sample, one at a
+    time: cancelling aborts the part in vLLM and drops the parts still queued."""
+    lora_engine.add_lora("cancel-attn", str(adapters["attn"]))
+    split = lora_engine.generate(
+        request(
+            prompts[0],
+            max_tokens=400,
+            num_samples=3,
+            seed=0,
+            prompt_logprobs=True,
+            adapter="cancel-attn",
+        )
+    )
+    assert wait_until(lambda: bool(lora_engine._in_flight))  # the first part, alone in vLLM
+    assert lora_engine.cancel(split)
+    with pytest.raises(CancelledError):
+        split.result(timeout=TIMEOUT)
+    assert lora_engine.llm.llm_engine.get_num_unfinished_requests() == 0  # aborted in vLLM
+    assert wait_until(lambda: not (lora_engine._in_flight or lora_engine._queue))
+    assert wait_until(lambda: not lora_engine._parts)
+    after = run(lora_engine, request(prompts[1], max_tokens=2, adapter="cancel-attn"))
+    assert len(after.sequences[0].tokens) == 2
+    assert not lora_engine.cancel(split)
