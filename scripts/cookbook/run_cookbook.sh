@@ -1,17 +1,25 @@
 #!/usr/bin/env bash
-# Run the UNCHANGED tinker-cookbook rl_loop and sl_loop against a Tinker-compatible server.
+# Run UNCHANGED tinker-cookbook programs against a Tinker-compatible server, in this order:
+#   rl_loop   tinker_cookbook.recipes.rl_loop              GRPO-style loop on GSM8K
+#   sl_loop   tinker_cookbook.recipes.sl_loop              supervised loop (no_robots stand-in)
+#   dpo       tinker_cookbook.recipes.preference.dpo.train DPO: forward_backward_custom + reference
+#                                                          compute_logprobs (hh-rlhf stand-in)
+#   distill   tinker_cookbook.recipes.distillation.on_policy_distillation
+#                                                          teacher = create_sampling_client(base_model=,
+#                                                          model_path=sl_loop's final sampler checkpoint)
+#   math_rl   tinker_cookbook.recipes.math_rl.train        the tinker_cookbook.rl.train framework on GSM8K,
+#                                                          async (max_steps_off_policy=1)
 #
 #   bash scripts/cookbook/run_cookbook.sh BASE_URL [LOG_DIR]
 #   e.g. bash scripts/cookbook/run_cookbook.sh http://127.0.0.1:8000 runs/cookbook
 #
-# Needs scripts/cookbook/setup_cookbook.sh first (venv + offline caches). The loops are the installed
-# package's own modules (python -m tinker_cookbook.recipes.rl_loop / sl_loop), configured only through
-# their chz command-line fields and environment variables.
+# Needs scripts/cookbook/setup_cookbook.sh first (venv + offline caches). The programs are the installed
+# package's own modules, configured only through their chz command-line fields and environment variables.
 #
-# LOG_DIR (default <repo>/runs/cookbook) gets rl_loop/ and sl_loop/ (each: the loop's log_path with
-# config.json, metrics.jsonl, checkpoints.jsonl, logs.log) and rl_loop.out / sl_loop.out (stdout+stderr).
-# Those four are removed first on every run: a log_path holding a checkpoints.jsonl makes the loops
-# resume from it (create_training_client_from_state_with_optimizer on a path of an earlier server).
+# LOG_DIR (default <repo>/runs/cookbook) gets NAME/ for each program (its log_path: config.json,
+# metrics.jsonl, checkpoints.jsonl, logs.log) and NAME.out (stdout+stderr). Both are removed first on
+# every run: a log_path holding a checkpoints.jsonl makes the programs resume from it (on a path of an
+# earlier server).
 #
 # Why model_name=Qwen/Qwen3-4B-Instruct-2507: the loops pick their renderer with
 # model_info.get_recommended_renderer_name(model_name), which raises for any model name outside the
@@ -27,11 +35,17 @@
 #   LORA_RANK=8             lora_rank for both loops
 #   SAVE_EVERY=1            save_every (1: a mid-run save_state at step 1, besides the final save)
 #   RL_BATCH_SIZE=2 RL_GROUP_SIZE=4 RL_MAX_TOKENS=64 RL_LEARNING_RATE=4e-5
-#   RL_LOSS_FN=importance_sampling  (the recipe default, stable_reinforce, is not supported by this server)
+#   RL_LOSS_FN=importance_sampling  (the recipe default, stable_reinforce, is not supported by this server;
+#                           also used by math_rl)
 #   SL_BATCH_SIZE=4 SL_MAX_LENGTH=512 SL_LEARNING_RATE=1e-4
-#   RL_EXTRA_ARGS, SL_EXTRA_ARGS   more key=value fields, appended last (so they win)
-#   ONLY=rl|sl              run one loop only
-#   LOOP_TIMEOUT=1800       seconds per loop
+#   DPO_BATCH_SIZE=4 DPO_LEARNING_RATE=1e-5
+#   DISTILL_GROUPS=2 DISTILL_GROUP_SIZE=2 DISTILL_MAX_TOKENS=64 DISTILL_LEARNING_RATE=1e-4
+#   TEACHER_CHECKPOINT      distill's teacher (default: sl_loop's final sampler_path from this run)
+#   MATH_RL_STEPS=3 MATH_RL_OFF_POLICY=1   (math_rl also takes RL_BATCH_SIZE/RL_GROUP_SIZE/RL_MAX_TOKENS)
+#   RL_EXTRA_ARGS, SL_EXTRA_ARGS, DPO_EXTRA_ARGS, DISTILL_EXTRA_ARGS, MATH_RL_EXTRA_ARGS
+#                           more key=value fields, appended last (so they win)
+#   ONLY="dpo distill"      run only these (names above; rl and sl also mean rl_loop and sl_loop)
+#   LOOP_TIMEOUT=1800       seconds per program
 #   TINKER_API_KEY          default tml-local
 #   COOKBOOK_VENV, COOKBOOK_CACHE, COOKBOOK_MODEL_NAME   as in setup_cookbook.sh
 set -euo pipefail
@@ -103,9 +117,57 @@ sl_args=(
     ${SL_EXTRA_ARGS:-}
 )
 
-# Check what a finished loop left in its log_path: >= STEPS metric rows and a final checkpoint record.
+# shellcheck disable=SC2206
+dpo_args=(
+    "base_url=$BASE_URL"
+    "model_name=$COOKBOOK_MODEL_NAME"
+    "max_steps=$STEPS"
+    "log_path=$LOG_DIR/dpo"
+    "dataset=hhh"
+    "batch_size=${DPO_BATCH_SIZE:-4}"
+    "max_length=${SL_MAX_LENGTH:-512}"
+    "learning_rate=${DPO_LEARNING_RATE:-1e-5}"
+    "behavior_if_log_dir_exists=delete"
+    ${DPO_EXTRA_ARGS:-}
+)
+# shellcheck disable=SC2206
+distill_args=(
+    "${common[@]}"
+    "log_path=$LOG_DIR/distill"
+    "teacher_model=$COOKBOOK_MODEL_NAME"
+    "dataset=deepmath"
+    "groups_per_batch=${DISTILL_GROUPS:-2}"
+    "group_size=${DISTILL_GROUP_SIZE:-2}"
+    "max_tokens=${DISTILL_MAX_TOKENS:-64}"
+    "learning_rate=${DISTILL_LEARNING_RATE:-1e-4}"
+    "eval_every=0"
+    "behavior_if_log_dir_exists=delete"
+    ${DISTILL_EXTRA_ARGS:-}
+)
+MATH_RL_STEPS="${MATH_RL_STEPS:-3}"
+# shellcheck disable=SC2206
+math_rl_args=(
+    "base_url=$BASE_URL"
+    "model_name=$COOKBOOK_MODEL_NAME"
+    "lora_rank=$LORA_RANK"
+    "save_every=$SAVE_EVERY"
+    "max_steps=$MATH_RL_STEPS"
+    "log_path=$LOG_DIR/math_rl"
+    "env=gsm8k"
+    "groups_per_batch=${RL_BATCH_SIZE:-2}"
+    "group_size=${RL_GROUP_SIZE:-4}"
+    "max_tokens=${RL_MAX_TOKENS:-64}"
+    "learning_rate=${RL_LEARNING_RATE:-4e-5}"
+    "loss_fn=${RL_LOSS_FN:-importance_sampling}"
+    "max_steps_off_policy=${MATH_RL_OFF_POLICY:-1}"
+    "eval_every=0"
+    "behavior_if_log_dir_exists=delete"
+    ${MATH_RL_EXTRA_ARGS:-}
+)
+
+# Check what a finished program left in its log_path: >= STEPS metric rows and a final checkpoint.
 check_outputs() {
-    "$py" - "$1" "$STEPS" "$2" <<'EOF'
+    "$py" - "$1" "$3" "$2" <<'EOF'
 import json, sys
 from pathlib import Path
 d, steps, out = Path(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
@@ -117,8 +179,9 @@ ckpts = [json.loads(l) for l in (d / "checkpoints.jsonl").read_text().splitlines
 final = [c for c in ckpts if c.get("name") == "final"]
 if not final or not final[-1].get("state_path") or not final[-1].get("sampler_path"):
     problems.append(f"no final checkpoint with state_path and sampler_path in checkpoints.jsonl ({ckpts})")
-for m in metrics:
-    print("  step", {k: (float(f"{v:.4g}") if isinstance(v, float) else v) for k, v in m.items()})
+for m in metrics:  # the first 16 metrics that are not timings or token counts
+    shown = [k for k in m if not k.startswith(("time/", "tokens/", "progress/"))][:16]
+    print("  step", {k: (float(f"{m[k]:.4g}") if isinstance(m[k], float) else m[k]) for k in shown})
 for c in ckpts:
     print("  checkpoint", c)
 skipped = out.read_text(errors="replace").count("all advantages zero, skipping training step")
@@ -132,22 +195,23 @@ if problems:
 EOF
 }
 
+# run_loop NAME MODULE MIN_STEPS ARGS...
 run_loop() {
-    local name="$1"; shift
+    local name="$1" module="$2" steps="$3"; shift 3
     local out="$LOG_DIR/$name.out"
     rm -rf "${LOG_DIR:?}/$name" "$out"
-    log "$name: python -m tinker_cookbook.recipes.$name $*"
+    log "$name: python -m $module $*"
     log "$name: output in $out"
     local start=$SECONDS rc=0
     timeout --signal=INT --kill-after=30 "$LOOP_TIMEOUT" \
-        "$py" -m "tinker_cookbook.recipes.$name" "$@" >"$out" 2>&1 || rc=$?
+        "$py" -m "$module" "$@" >"$out" 2>&1 || rc=$?
     log "$name: exit $rc after $((SECONDS - start)) s"
     if ((rc != 0)); then
         log "$name: last lines of $out:"
         tail -n 40 "$out" >&2
         return "$rc"
     fi
-    check_outputs "$LOG_DIR/$name" "$out" >&2 || { log "$name: outputs incomplete"; return 1; }
+    check_outputs "$LOG_DIR/$name" "$out" "$steps" >&2 || { log "$name: outputs incomplete"; return 1; }
 }
 
 # The tinker SDK retries a refused connection for as long as LOOP_TIMEOUT allows, so check first that
@@ -168,12 +232,35 @@ while True:
         time.sleep(1)
 EOF
 
+wanted() {  # is program $1 selected by ONLY (default: all)?
+    local only=" ${ONLY:-rl_loop sl_loop dpo distill math_rl} "
+    only="${only// rl / rl_loop }"; only="${only// sl / sl_loop }"
+    [[ "$only" == *" $1 "* ]]
+}
+
+# The sampler checkpoint sl_loop saved last in this run, for distill's teacher.
+final_sampler_path() {
+    "$py" -c 'import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+print([r for r in rows if r.get("name") == "final"][-1]["sampler_path"])' "$1" 2>/dev/null
+}
+
 status=0
-if [[ "${ONLY:-}" != sl ]]; then
-    run_loop rl_loop "${rl_args[@]}" || status=1
+failed=()
+wanted rl_loop && { run_loop rl_loop tinker_cookbook.recipes.rl_loop "$STEPS" "${rl_args[@]}" || failed+=(rl_loop); }
+wanted sl_loop && { run_loop sl_loop tinker_cookbook.recipes.sl_loop "$STEPS" "${sl_args[@]}" || failed+=(sl_loop); }
+wanted dpo && { run_loop dpo tinker_cookbook.recipes.preference.dpo.train "$STEPS" "${dpo_args[@]}" || failed+=(dpo); }
+if wanted distill; then
+    teacher="${TEACHER_CHECKPOINT:-$(final_sampler_path "$LOG_DIR/sl_loop/checkpoints.jsonl")}"
+    if [[ -z "$teacher" ]]; then
+        log "distill: no teacher checkpoint (run sl_loop first, or set TEACHER_CHECKPOINT)"
+        failed+=(distill)
+    else
+        run_loop distill tinker_cookbook.recipes.distillation.on_policy_distillation "$STEPS" \
+            "teacher_checkpoint=$teacher" "${distill_args[@]}" || failed+=(distill)
+    fi
 fi
-if [[ "${ONLY:-}" != rl ]]; then
-    run_loop sl_loop "${sl_args[@]}" || status=1
-fi
-if ((status == 0)); then log "done: loops finished (logs in $LOG_DIR)"; else log "FAILED (logs in $LOG_DIR)"; fi
+wanted math_rl && { run_loop math_rl tinker_cookbook.recipes.math_rl.train "$MATH_RL_STEPS" "${math_rl_args[@]}" || failed+=(math_rl); }
+((${#failed[@]})) && status=1
+if ((status == 0)); then log "done: every program finished (logs in $LOG_DIR)"; else log "FAILED: ${failed[*]} (logs in $LOG_DIR)"; fi
 exit "$status"
