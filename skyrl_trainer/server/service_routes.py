@@ -108,6 +108,16 @@ async def create_custom_loss(request: Request, owner: str = Depends(authenticate
 async def create_session(request: Request, owner: str = Depends(authenticate)):
     state = _state(request)
     body = await state.parse(request, types.CreateSessionRequest)
+    if body.project_id not in (
+        None,
+        DEFAULT_PROJECT,
+    ):  # ServiceClient(project_id=) / TINKER_PROJECT_ID
+        raise ApiError(
+            400,
+            "project_id",
+            f"{body.project_id!r} is not a project on this server; the only one is "
+            f"{DEFAULT_PROJECT!r} (leave project_id and TINKER_PROJECT_ID unset)",
+        )
     session_id = uuid.uuid4().hex
     state.db.add_session(session_id, owner, body.model_dump())
     state.core.create_session(body.user_metadata, session_id=session_id)

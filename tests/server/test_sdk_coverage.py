@@ -561,3 +561,15 @@ def test_search_sessions(server, trained):
     answer = server.http("POST", "/sessions/search", json={"limit": 1})
     assert answer.status_code == 200
     types.SessionSearchResponse.model_validate(json.loads(answer.content))
+
+
+def test_a_session_in_another_project_is_refused(server):
+    """ServiceClient(project_id=...) / TINKER_PROJECT_ID: there is one project here, 'default';
+    another is refused by name rather than silently filed under 'default'."""
+    elsewhere = tinker.ServiceClient(
+        base_url=server.base_url, api_key=API_KEY, project_id="elsewhere"
+    )
+    with pytest.raises(tinker.BadRequestError, match="project_id.*'elsewhere'.*TINKER_PROJECT_ID"):
+        elsewhere.create_sampling_client(base_model="other")  # makes the session first
+    client = tinker.ServiceClient(base_url=server.base_url, api_key=API_KEY, project_id="default")
+    assert client.create_sampling_client(base_model="other").result()
