@@ -374,7 +374,8 @@ class BackendCore:
             raise InvalidRequestError(
                 "loss_fn_config.loss_id",
                 f"unknown custom loss {loss_id!r} for model '{record.model_id}' (a loss is "
-                "usable by the models of the session that created it)",
+                "usable by the models of the session that created it, and lives in memory "
+                "with it: after a server restart, upload it again with create_custom_loss)",
             )
         return program
 
