@@ -44,10 +44,19 @@ def adam_step(
 ) -> dict[str, float]:
     """Clip (if asked), apply one AdamW update with `adam`'s settings, and clear the gradients.
 
+    Every parameter takes the step: one with no accumulated gradient (no forward_backward since
+    the last step, or none that reached it) counts as a zero gradient, so its momentum and weight
+    decay still move it, exactly as after a backward pass of a zero loss. (torch's AdamW would
+    skip it, and a batch whose advantages are all zero would then stall the optimizer that other
+    trainers, e.g. TRL's, keep stepping.)
+
     Returns metrics: the pre-clip global gradient norm and the learning rate. A step whose
     gradients are not finite is skipped (weights untouched) and reported, never applied.
     """
-    grads = [p.grad for p in params if p.grad is not None]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
     grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.tensor(0.0)
     metrics = {"grad_norm:mean": float(grad_norm), "learning_rate:mean": adam.learning_rate}
     if not torch.isfinite(grad_norm):

@@ -44,8 +44,8 @@ def learning_rate(cfg, step: int) -> float:
 
 
 def rl_step(run, batch: Batch, step: int, sampler):
-    """Train on `batch`; returns (the sampler of the new weights, metrics). With nothing to train
-    on, the weights do not change and `sampler` is returned as it is."""
+    """Train on `batch`; returns (the sampler of the new weights, metrics). With no trajectory
+    to train on, the weights do not change and `sampler` is returned as it is."""
     metrics: dict[str, float] = {}
     rollouts = batch.rollouts
     metrics["train/sequences"] = len(rollouts)
@@ -113,8 +113,9 @@ def token_kl(run, rollouts: list[Rollout], metrics: dict) -> list[np.ndarray]:
 
 
 def train_on(run, rollouts, advantages, masks, step: int, metrics: dict) -> bool:
-    """Mini-batches x epochs of forward_backward + optim_step, all submitted up front; False when
-    no datum had a gradient (nothing was sent)."""
+    """Mini-batches x epochs of forward_backward + optim_step, all submitted up front. Datums
+    without a gradient are not sent (they add exactly nothing); every mini-batch still takes its
+    optimizer step. Returns whether any step was taken."""
     cfg, a = run.cfg, run.cfg.algorithm
     reference_logprobs = [None] * len(rollouts)
     if a.tis_cap is not None:
@@ -162,15 +163,19 @@ def train_on(run, rollouts, advantages, masks, step: int, metrics: dict) -> bool
                 if loss.has_gradient(advantages[i] * w, w)
             ]
             skipped += len(chunk) - len(live)
-            if not live:  # no gradient at all: forward_backward + optim_step change nothing
-                continue
             datums = [
                 build_rl_datum(
                     rollouts[i], advantages[i] * w, reference_logprobs[i], extra_inputs(w)
                 )
                 for i, w in live
             ]
-            fb = run.training.forward_backward(datums, a.loss_fn, a.loss_fn_config or None)
+            # A mini-batch with no gradient sends no forward_backward but still takes its AdamW
+            # step (momentum and weight decay move the weights, as after a zero loss).
+            fb = (
+                run.training.forward_backward(datums, a.loss_fn, a.loss_fn_config or None)
+                if datums
+                else None
+            )
             opt = run.training.optim_step(adam)
             submitted.append((live, datums, fb, opt))
     metrics["train/learning_rate"] = adam.learning_rate
@@ -191,10 +196,13 @@ def train_metrics(run, rollouts, submitted, metrics: dict, step: int) -> None:
     clipped = total = 0
     grad_norms, losses, gaps, gaps_by_age = [], [], [], {}
     for n, (live, datums, fb, opt) in enumerate(submitted):
-        out, opt_out = fb.result(), opt.result()
-        losses.append(out.metrics.get("loss:sum", float("nan")))
+        opt_out = opt.result()
         if "grad_norm:mean" in (opt_out.metrics or {}):
             grad_norms.append(opt_out.metrics["grad_norm:mean"])
+        if fb is None:  # no datum had a gradient: an optimizer step on momentum alone
+            continue
+        out = fb.result()
+        losses.append(out.metrics.get("loss:sum", float("nan")))
         for (i, w), datum, o in zip(live, datums, out.loss_fn_outputs, strict=True):
             rollout = rollouts[i]
             lp = response_logprobs(rollout, o["logprobs"].tolist())
