@@ -67,13 +67,14 @@ def test_refused_request_does_not_hold_up_the_next(server, tiny_model_dir):
         tc.optim_step(types.DimuonParams(learning_rate=1e-3)).result(timeout=60)  # seq 1
     start = time.monotonic()
     assert tc.forward([datum()], "cross_entropy").result(timeout=60).metrics["loss:sum"] > 0
-    assert time.monotonic() - start < 1.0  # seq 2 did not wait for seq 1
+    # Waiting for seq 1 would take the whole gap timeout; half of it leaves room for a loaded CPU.
+    assert time.monotonic() - start < GAP_TIMEOUT_S / 2  # seq 2 did not wait for seq 1
 
     with pytest.raises(tinker.BadRequestError, match="kind"):
         tc.save_weights_and_get_sampling_client(kind="inflight").result(timeout=60)  # seq 3
     start = time.monotonic()
     tc.forward([datum()], "cross_entropy").result(timeout=60)
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < GAP_TIMEOUT_S / 2
 
 
 def _status(server: LiveServer, request_id: str) -> str:
