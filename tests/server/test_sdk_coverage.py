@@ -37,6 +37,7 @@ from skyrl_trainer.connect import install_tokenizer
 from skyrl_trainer.server.app import create_app
 from skyrl_trainer.server.config import ServerConfig
 from tests.server.conftest import API_KEY, free_port
+from tests.waiting import wait_until
 
 PROMPT = [1, 504, 3300, 314, 253, 1789, 30]
 
@@ -44,17 +45,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),
     pytest.mark.usefixtures("one_torch_thread"),
 ]
-
-
-def wait_until(condition, timeout: float = 10.0) -> bool:
-    """Whether `condition()` holds within `timeout` s (a finished request's rows leave the
-    batch just after its result is set)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 class InProcessServer:
@@ -260,22 +250,23 @@ def test_dynamic_config_enables_cancellation(server):
     assert service.holder.get_client_dynamic_config().sample_cancel_enabled
 
 
-def test_abandoned_sample_frees_the_engine(server, monkeypatch):
-    """A long sample abandoned through the SDK (result_async timeout) is cancelled on the
-    server: its row leaves the engine, and the next request (which, with one row at a time,
-    would otherwise wait for it) completes at once."""
-    service = server.service_client()
-    sampler = service.create_sampling_client(base_model="other").result()
+def slow_sampler(server, monkeypatch):
+    """A sampling client of "other" whose engine decodes a step per 20 ms (a 500-token request
+    takes ~10 s), the engine, and the prompt."""
+    sampler = server.service_client().create_sampling_client(base_model="other").result()
     prompt = types.ModelInput.from_ints(PROMPT)
     sampler.sample(prompt, 1, types.SamplingParams(max_tokens=1)).result()  # engine up
     engine = server.core.samplers.engine(sampler._sampling_session_id)
     decode = engine.runner.decode
+    monkeypatch.setattr(engine.runner, "decode", lambda group: (time.sleep(0.02), decode(group)))
+    return sampler, engine, prompt
 
-    def slow_decode(group):  # ~500 steps of 20 ms: a 10 s request
-        time.sleep(0.02)
-        decode(group)
 
-    monkeypatch.setattr(engine.runner, "decode", slow_decode)
+def test_abandoned_sample_frees_the_engine(server, monkeypatch):
+    """A long sample abandoned through the SDK (result_async timeout) is cancelled on the
+    server: its row leaves the engine, and the next request (which, with one row at a time,
+    would otherwise wait for it) completes at once."""
+    sampler, engine, prompt = slow_sampler(server, monkeypatch)
     before = engine.stats.generated_tokens
     long_params = types.SamplingParams(max_tokens=500, stop=[], seed=1)
 
@@ -307,13 +298,7 @@ def test_sampling_of_a_session_without_heartbeats_is_cancelled(server, monkeypat
     future failed 'cancelled'); a session that still beats keeps its requests."""
     from skyrl_trainer.server.app import housekeeping
 
-    service = server.service_client()
-    sampler = service.create_sampling_client(base_model="other").result()
-    prompt = types.ModelInput.from_ints(PROMPT)
-    sampler.sample(prompt, 1, types.SamplingParams(max_tokens=1)).result()  # engine up
-    engine = server.core.samplers.engine(sampler._sampling_session_id)
-    decode = engine.runner.decode
-    monkeypatch.setattr(engine.runner, "decode", lambda group: (time.sleep(0.02), decode(group)))
+    sampler, engine, prompt = slow_sampler(server, monkeypatch)
     session_id = server.state.db.sampler(sampler._sampling_session_id)["session_id"]
     long_request = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=500, stop=[]))
     assert wait_until(lambda: engine._num_rows() == 1)

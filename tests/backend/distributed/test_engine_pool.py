@@ -34,6 +34,7 @@ ray = pytest.importorskip("ray")
 
 from skyrl_trainer.backend.sampling.engine import EngineDiedError  # noqa: E402
 from skyrl_trainer.backend.sampling.engine_pool import EnginePool  # noqa: E402
+from tests import waiting  # noqa: E402
 
 SAMPLING = dict(engine="torch", dtype="float32", device="cpu")
 # A quarter CPU per engine: the base pool, a full fine-tuning pool and the kill test's pool fit
@@ -404,12 +405,7 @@ def test_one_engine_as_an_actor(ray_session, tiny_model_dir, local_engine, vocab
 
 
 def wait_until(condition, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
+    return waiting.wait_until(condition, timeout)
 
 
 def test_cancel_frees_the_engine(ray_session, tiny_model_dir):

@@ -5,7 +5,6 @@ and PEFT forwards."""
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import CancelledError
 
 import pytest
@@ -17,6 +16,7 @@ from skyrl_trainer.backend.model_loading import load_causal_lm
 from skyrl_trainer.backend.sampling import engine_factory, vllm_engine
 from skyrl_trainer.backend.sampling.engine_control import EngineControl
 from skyrl_trainer.backend.sampling.engine_factory import resolve_engine_kind
+from tests import waiting
 from tests.backend.sampling.test_torch_engine import (
     TEXTS,
     greedy_reference,
@@ -44,12 +44,7 @@ def prompt_logprobs(model, prompt) -> list[float]:
 
 
 def wait_until(condition, timeout: float = TIMEOUT) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
+    return waiting.wait_until(condition, timeout)
 
 
 @pytest.fixture(scope="module")
