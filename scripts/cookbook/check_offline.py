@@ -14,6 +14,8 @@ import torch
 from tinker import types
 from tinker.types.tensor_data import TensorData
 from tinker_cookbook import model_info, renderers
+from tinker_cookbook.distillation.datasets import load_deepmath_prompts
+from tinker_cookbook.recipes.preference.datasets import HHHComparisonBuilder
 from tinker_cookbook.recipes.rl_loop import get_reward, with_sampled_provenance
 from tinker_cookbook.supervised.common import compute_bpb, compute_mean_nll
 from tinker_cookbook.supervised.data import conversation_to_datum
@@ -75,13 +77,12 @@ print(
 )
 
 # The DPO recipe's hhh comparisons and on-policy distillation's deepmath prompts (stand-ins)
-from tinker_cookbook.distillation.datasets import load_deepmath_prompts
-from tinker_cookbook.recipes.preference.datasets import HHHComparisonBuilder
-
 hhh_train, hhh_test = HHHComparisonBuilder().get_train_and_test_datasets()
 comparison = HHHComparisonBuilder().example_to_labeled_comparison(hhh_train[0])
 assert comparison is not None, hhh_train[0]
 deepmath = load_deepmath_prompts("train")
 assert deepmath, "no deepmath prompts"
-print(f"dpo: hh-rlhf stand-in {len(hhh_train)} train pairs; distillation: {len(deepmath)} deepmath prompts")
+print(
+    f"dpo: hh-rlhf stand-in {len(hhh_train)} train pairs; distillation: {len(deepmath)} deepmath prompts"
+)
 print("offline check passed")

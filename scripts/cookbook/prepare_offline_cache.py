@@ -273,7 +273,9 @@ def prepare_hh_rlhf_standin(datasets_dir: Path, gsm8k_dir: Path) -> None:
     features = datasets.Features(
         {"chosen": datasets.Value("string"), "rejected": datasets.Value("string")}
     )
-    _write_standin(datasets_dir, gsm8k_dir, "Anthropic/hh-rlhf", "default", features, rows, tag="test16")
+    _write_standin(
+        datasets_dir, gsm8k_dir, "Anthropic/hh-rlhf", "default", features, rows, tag="test16"
+    )
 
 
 def prepare_deepmath_standin(datasets_dir: Path, gsm8k_dir: Path) -> None:
