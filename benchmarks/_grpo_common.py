@@ -265,6 +265,9 @@ def run_ours(s: Settings, workdir: Path, eval_problems: list) -> tuple[dict, lis
                         "train/grad_norm",
                         "groups/zero_variance_frac",
                         "response/truncated_frac",
+                        "sampler_learner_logprob_gap/mean",
+                        "sampler_learner_logprob_gap/max",
+                        "tis/weight_mean",
                     )
                     if k in m
                 },

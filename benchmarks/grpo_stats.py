@@ -69,10 +69,12 @@ def _by_seed(runs: list[dict], framework: str) -> dict[int, dict]:
     return {run["seed"]: run for run in mine}
 
 
-def per_framework(runs: list[dict], last_k: int) -> dict:
+def per_framework(
+    runs: list[dict], last_k: int, frameworks: tuple[str, ...] = ("ours", "trl")
+) -> dict:
     """Each framework's per-run metrics over its seeds (for one-sided, controlled experiments)."""
     out = {}
-    for framework in ("ours", "trl"):
+    for framework in frameworks:
         runs_by_seed = _by_seed(runs, framework)
         if not runs_by_seed:
             continue
@@ -87,10 +89,12 @@ def per_framework(runs: list[dict], last_k: int) -> dict:
     return out
 
 
-def paired(runs: list[dict], last_k: int) -> dict | None:
-    """ours - TRL per seed for every metric (seeds that have both runs), with the mean, standard
-    error and bootstrap interval of the differences; None when no seed has both."""
-    ours, trl = _by_seed(runs, "ours"), _by_seed(runs, "trl")
+def paired(runs: list[dict], last_k: int, first: str = "ours", second: str = "trl") -> dict | None:
+    """`first` - `second` per seed for every metric (seeds that have runs of both frameworks,
+    e.g. ours and TRL, or an ablation and its baseline), with the mean, standard error and
+    bootstrap interval of the differences; None when no seed has both. Per-metric values are keyed
+    by the two labels (`ours`, `mean_ours`, ...)."""
+    ours, trl = _by_seed(runs, first), _by_seed(runs, second)
     seeds = sorted(set(ours) & set(trl))
     if not seeds:
         return None
@@ -114,11 +118,11 @@ def paired(runs: list[dict], last_k: int) -> dict | None:
         d = describe(diffs)
         metrics[name] = {
             "seeds": [s for s, _, _ in kept],
-            "ours": [o for _, o, _ in kept],
-            "trl": [t for _, _, t in kept],
+            first: [o for _, o, _ in kept],
+            second: [t for _, _, t in kept],
             "diff": diffs,
-            "mean_ours": float(np.mean([o for _, o, _ in kept])),
-            "mean_trl": float(np.mean([t for _, _, t in kept])),
+            f"mean_{first}": float(np.mean([o for _, o, _ in kept])),
+            f"mean_{second}": float(np.mean([t for _, _, t in kept])),
             "mean_diff": d["mean"],
             "se_diff": d["se"],
             "ci95_diff": d["ci95"],
@@ -133,6 +137,8 @@ def paired(runs: list[dict], last_k: int) -> dict | None:
             "per-seed differences. An interval containing 0 resolves no difference."
         )
     return {
+        "first": first,
+        "second": second,
         "seeds": seeds,
         "n_seeds": n,
         "last_k": last_k,
@@ -145,13 +151,14 @@ def paired(runs: list[dict], last_k: int) -> dict | None:
 def print_paired(result: dict | None) -> None:
     if result is None:
         return
-    print(f"\npaired over seeds {result['seeds']}: ours - TRL per seed (K = {result['last_k']})")
-    print(f"{'metric':20s}{'ours':>8s}{'TRL':>8s}{'diff':>8s}{'se':>8s}   95% bootstrap")
+    a, b = result.get("first", "ours"), result.get("second", "trl")
+    print(f"\npaired over seeds {result['seeds']}: {a} - {b} per seed (K = {result['last_k']})")
+    print(f"{'metric':20s}{a[:9]:>10s}{b[:9]:>10s}{'diff':>8s}{'se':>8s}   95% bootstrap")
     for name, m in result["metrics"].items():
         se = f"{m['se_diff']:8.3f}" if m["se_diff"] is not None else f"{'-':>8s}"
         lo, hi = m["ci95_diff"]
         print(
-            f"{name:20s}{m['mean_ours']:8.3f}{m['mean_trl']:8.3f}{m['mean_diff']:+8.3f}{se}"
+            f"{name:20s}{m[f'mean_{a}']:10.3f}{m[f'mean_{b}']:10.3f}{m['mean_diff']:+8.3f}{se}"
             f"   [{lo:+.3f}, {hi:+.3f}]"
         )
     print(result["note"])
