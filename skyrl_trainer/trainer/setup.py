@@ -175,5 +175,5 @@ def training_client(cfg: TrainerConfig, service, resume: LoopState | None):
             raise ConfigError("model.lora_rank: 0 (full fine-tuning) needs backend.kind=local")
         return service.create_full_training_client(m.base_model).result()
     return service.create_lora_training_client(
-        m.base_model, rank=m.lora_rank, seed=cfg.seed
+        m.base_model, rank=m.lora_rank, seed=cfg.seed, train_unembed=m.train_unembed
     ).result()
