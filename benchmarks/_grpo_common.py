@@ -276,10 +276,27 @@ def run_ours(s: Settings, workdir: Path, eval_problems: list) -> tuple[dict, lis
     run = {"framework": "ours", "seed": s.seed, "startup_s": startup, "steps": records}
     if eval_problems:
         run.update(_our_greedy_eval(trainer, eval_problems, s.max_tokens))
+    if s.mode == "lora":
+        run["adapter"] = _our_adapter(trainer, service)
     service.core.shutdown()
     run["torch_threads_after"] = torch.get_num_threads()
     run["prompt_ids"] = prompt_ids  # TRL's tokenisation is checked against it (then dropped)
     return run, batches
+
+
+def _our_adapter(trainer, service) -> dict:
+    """The LoRA target modules and trainable parameter count of our trained adapter, read from
+    the adapter files the backend saves (what was really trained, not what was asked for)."""
+    from safetensors.torch import load_file
+
+    path = trainer.run_state.training.save_state("adapter-check").result().path
+    folder, _ = service.core.store.resolve(path)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    return {
+        "lora_targets": sorted(config["target_modules"]),
+        "trainable_params": sum(t.numel() for t in tensors.values()),
+    }
 
 
 def _our_greedy_eval(trainer, problems: list, max_tokens: int) -> dict:

@@ -288,13 +288,21 @@ def run_seed(s: Settings, frameworks: list[str]) -> list[dict]:
             print(f"== ours ({s.mode}, seed {s.seed}, engine {s.our_engine}) ==", flush=True)
             ours, served = isolated(run_ours, s, Path(tmp), eval_problems)
             # The rebuilt stream (TRL's work when ours does not run) is what ours was served.
-            ours["checks"] = {"served_batches_rebuilt_identically": served == batches}
+            ours["checks"] = {
+                "served_batches_rebuilt_identically": served == batches,
+                **ours.pop("adapter", {}),
+            }
             batches = served
             prompt_ids, eval_ids = ours.pop("prompt_ids"), ours.pop("eval_prompt_ids", None)
         if "trl" in frameworks:
             print(f"== TRL ({s.mode}, seed {s.seed}) ==", flush=True)
             args = (s, batches, prompt_ids, eval_problems, eval_ids, Path(tmp))
             trl = isolated(run_trl, *args)
+            if ours is not None and s.mode == "lora":  # what was trained, on both sides
+                keys = ("lora_targets", "trainable_params")
+                trl["checks"]["lora_adapter_identical_to_ours"] = all(
+                    ours["checks"].get(k) == trl["checks"][k] for k in keys
+                )
     runs = [run for run in (ours, trl) if run is not None]
     for run in runs:
         if run.get("eval_pass1") is not None:
@@ -304,6 +312,16 @@ def run_seed(s: Settings, frameworks: list[str]) -> list[dict]:
                 flush=True,
             )
     return runs
+
+
+def plan_runs(
+    runs: list[dict], seeds: list[int], frameworks: list[str], redo: list[str]
+) -> tuple[list[dict], list[tuple[int, list[str]]]]:
+    """What a resumed session does: the runs it keeps from the file (all but those of the `redo`
+    frameworks) and, per seed, the frameworks still to run (those without a kept run)."""
+    kept = [run for run in runs if run["framework"] not in redo]
+    done = {(run["framework"], run["seed"]) for run in kept}
+    return kept, [(seed, [f for f in frameworks if (f, seed) not in done]) for seed in seeds]
 
 
 def load_resumable(path: Path, settings: dict) -> dict:
@@ -360,12 +378,15 @@ def run_mode(mode: str, a: argparse.Namespace) -> None:
         f"GRPO {mode}: {a.prompts} prompts x {a.group}, {a.max_tokens} new tokens, "
         f"lr {s.learning_rate:g}, {a.data_format} ({a.reward}), SmolLM2-135M"
     )
-    done = {run["seed"] for run in record["runs"]}
-    for seed in a.seeds:
-        if seed in done:
+    kept, plan = plan_runs(record["runs"], a.seeds, a.frameworks, a.redo)
+    if a.redo:
+        print(f"--redo: {len(record['runs']) - len(kept)} runs of {a.redo} dropped", flush=True)
+        record["runs"], session["redone"] = kept, a.redo
+    for seed, todo in plan:
+        if not todo:
             print(f"seed {seed}: already in {out}, not rerun", flush=True)
             continue
-        record["runs"] += run_seed(make_settings(mode, seed, a), a.frameworks)
+        record["runs"] += run_seed(make_settings(mode, seed, a), todo)
         session["seeds"].append(seed)
         record["total_wall_s"] = wall_before + time.monotonic() - started
         finish(record, out, k, title)
@@ -432,6 +453,14 @@ def main() -> None:
         help="a dotted TrainerConfig override for our side only (repeatable), e.g. "
         "algorithm.kl_coef=0.01",
     )
+    p.add_argument(
+        "--redo",
+        nargs="+",
+        choices=["ours", "trl"],
+        default=[],
+        help="with --resume-from: drop these frameworks' runs from the file and run them again "
+        "(after a fix on that side); the other side's runs are kept",
+    )
     p.add_argument("--last-k", type=int, default=5, help="reward averaged over the last K steps")
     p.add_argument("--out-dir", default=str(RESULTS))
     p.add_argument("--tag", default="", help="results go to grpo_vs_trl_<mode>_<tag>.json/.png")
@@ -448,6 +477,8 @@ def main() -> None:
         p.error("--eval-problems must be >= 0")
     if a.resume_from and a.mode == "both":
         p.error("--resume-from takes one results file, so one --mode (lora or full)")
+    if a.redo and not a.resume_from:
+        p.error("--redo reruns runs of a results file: give it with --resume-from")
     if a.resume_from and not Path(a.resume_from).is_file():
         p.error(f"--resume-from {a.resume_from}: no such file")
     a.frameworks = [f for f in ("ours", "trl") if f in a.frameworks]  # ours first, once each
