@@ -94,13 +94,13 @@ def paired(runs: list[dict], last_k: int, first: str = "ours", second: str = "tr
     e.g. ours and TRL, or an ablation and its baseline), with the mean, standard error and
     bootstrap interval of the differences; None when no seed has both. Per-metric values are keyed
     by the two labels (`ours`, `mean_ours`, ...)."""
-    ours, trl = _by_seed(runs, first), _by_seed(runs, second)
-    seeds = sorted(set(ours) & set(trl))
+    firsts, seconds = _by_seed(runs, first), _by_seed(runs, second)
+    seeds = sorted(set(firsts) & set(seconds))
     if not seeds:
         return None
     rows = []
     for seed in seeds:
-        o, t = ours[seed], trl[seed]
+        o, t = firsts[seed], seconds[seed]
         mo, mt = run_metrics(o, last_k), run_metrics(t, last_k)
         horizon = min(o["steps"][-1]["elapsed_s"], t["steps"][-1]["elapsed_s"])
         for m, run in ((mo, o), (mt, t)):

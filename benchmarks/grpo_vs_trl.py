@@ -298,11 +298,6 @@ def run_seed(s: Settings, frameworks: list[str]) -> list[dict]:
             print(f"== TRL ({s.mode}, seed {s.seed}) ==", flush=True)
             args = (s, batches, prompt_ids, eval_problems, eval_ids, Path(tmp))
             trl = isolated(run_trl, *args)
-            if ours is not None and s.mode == "lora":  # what was trained, on both sides
-                keys = ("lora_targets", "trainable_params")
-                trl["checks"]["lora_adapter_identical_to_ours"] = all(
-                    ours["checks"].get(k) == trl["checks"][k] for k in keys
-                )
     runs = [run for run in (ours, trl) if run is not None]
     for run in runs:
         if run.get("eval_pass1") is not None:
@@ -318,10 +313,25 @@ def plan_runs(
     runs: list[dict], seeds: list[int], frameworks: list[str], redo: list[str]
 ) -> tuple[list[dict], list[tuple[int, list[str]]]]:
     """What a resumed session does: the runs it keeps from the file (all but those of the `redo`
-    frameworks) and, per seed, the frameworks still to run (those without a kept run)."""
-    kept = [run for run in runs if run["framework"] not in redo]
+    frameworks for `seeds`) and, per seed, the frameworks still to run (those without a kept run)."""
+    kept = [run for run in runs if not (run["framework"] in redo and run["seed"] in seeds)]
     done = {(run["framework"], run["seed"]) for run in kept}
     return kept, [(seed, [f for f in frameworks if (f, seed) not in done]) for seed in seeds]
+
+
+def adapters_identical(runs: list[dict]) -> dict[int, bool]:
+    """Per seed with both runs: whether our saved adapter and TRL's have the same target modules
+    and trainable parameter count (from each run's checks; a run without them counts as a
+    mismatch). Taken over the whole record, so runs added by --resume-from / --redo count too."""
+    keys = ("lora_targets", "trainable_params")
+    by_seed: dict[int, dict[str, dict]] = {}
+    for run in runs:
+        by_seed.setdefault(run["seed"], {})[run["framework"]] = run.get("checks") or {}
+    return {
+        seed: all(k in sides["ours"] and sides["ours"][k] == sides["trl"].get(k) for k in keys)
+        for seed, sides in sorted(by_seed.items())
+        if {"ours", "trl"} <= sides.keys()
+    }
 
 
 def load_resumable(path: Path, settings: dict) -> dict:
@@ -346,6 +356,8 @@ def finish(record: dict, out: Path, k: int, title: str) -> None:
     summary = summarise(runs, k)
     summary["per_seed"] = grpo_stats.per_framework(runs, k)
     summary["paired"] = grpo_stats.paired(runs, k)
+    if record["settings"]["mode"] == "lora":
+        summary["lora_adapter_identical_per_seed"] = adapters_identical(runs)
     record["summary"] = summary
     write_json(out, record)
     plot(runs, title, out.with_suffix(".png"))
@@ -403,6 +415,8 @@ def run_mode(mode: str, a: argparse.Namespace) -> None:
         if pass1 is not None:
             print(f"{framework}: greedy pass@1 after training, mean over seeds {pass1:.3f}")
     grpo_stats.print_paired(summary["paired"])
+    if "lora_adapter_identical_per_seed" in summary:
+        print(f"LoRA adapters identical, per seed: {summary['lora_adapter_identical_per_seed']}")
     for run in record["runs"][-len(a.frameworks) :]:
         print(f"{run['framework']} checks (seed {run['seed']}): {run.get('checks')}")
     print(f"wrote {out} and {out.with_suffix('.png')}")

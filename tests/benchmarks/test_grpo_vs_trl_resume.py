@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from grpo_vs_trl import plan_runs  # noqa: E402
+from grpo_vs_trl import adapters_identical, plan_runs  # noqa: E402
 
 
 def runs(*pairs):
@@ -27,3 +27,24 @@ def test_redo_drops_one_side_and_keeps_the_other():
     assert plan == [(0, ["ours"]), (1, ["ours"])]
     kept, plan = plan_runs(old, [0, 1], ["ours"], redo=["ours"])  # --frameworks ours
     assert plan == [(0, ["ours"]), (1, ["ours"])]
+
+
+def test_redo_of_some_seeds_keeps_the_others():
+    old = runs(("ours", 0), ("trl", 0), ("ours", 1), ("trl", 1))
+    kept, plan = plan_runs(old, [1], ["ours", "trl"], redo=["ours"])
+    assert kept == runs(("ours", 0), ("trl", 0), ("trl", 1))
+    assert plan == [(1, ["ours"])]
+
+
+def test_adapters_compared_from_the_stored_checks():
+    adapter = {"lora_targets": ["q_proj", "v_proj"], "trainable_params": 10}
+    record = [
+        {"framework": "ours", "seed": 0, "checks": adapter},
+        {"framework": "trl", "seed": 0, "checks": {**adapter, "prompt_tokens_identical": True}},
+        {"framework": "ours", "seed": 1, "checks": {**adapter, "trainable_params": 12}},
+        {"framework": "trl", "seed": 1, "checks": adapter},
+        {"framework": "ours", "seed": 2, "checks": {}},  # a run from before the check
+        {"framework": "trl", "seed": 2, "checks": adapter},
+        {"framework": "trl", "seed": 3, "checks": adapter},  # no pair
+    ]
+    assert adapters_identical(record) == {0: True, 1: False, 2: False}
